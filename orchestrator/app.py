@@ -1,0 +1,65 @@
+"""The Hydra application: compose the config, hand it to :mod:`orchestrator.trial`.
+
+Exit codes: 0 finished; 1 the trial failed (its status and reason are in MLflow); 2 the config is
+broken (one line per broken rule, nothing launched, nothing recorded).
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from orchestrator import conf_dir, trial
+from orchestrator.config import register_configs
+
+log = logging.getLogger("orchestrator")
+EXIT_FAILED, EXIT_CONFIG = 1, 2
+_task_started = False
+
+
+def _report(result: dict) -> None:
+    s = result.get("summary") or {}
+    if result["status"] == "finished":
+        log.info("finished run %s: final_loss=%.4f step_time_median_s=%.4f tokens_per_s=%.0f peak_mem_gb=%.2f",
+                 result["run_id"], s.get("final_loss", float("nan")), s.get("step_time_median_s", float("nan")),
+                 s.get("tokens_per_s_median", float("nan")), s.get("peak_mem_gb", float("nan")))
+    else:
+        log.error("run %s ended %s: %s", result["run_id"], result["status"], result.get("reason", ""))
+
+
+@hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
+def main(cfg: DictConfig):
+    global _task_started
+    _task_started = True
+    hc = HydraConfig.get()
+    overrides = list(hc.overrides.task)
+    multirun = hc.mode == RunMode.MULTIRUN
+    try:
+        result = trial.run(cfg, overrides)
+    except trial.ConfigError as err:
+        for line in err.errors:
+            print(f"error: {line}", file=sys.stderr)
+        if not multirun:
+            sys.exit(EXIT_CONFIG)
+        # in a sweep, a point that cannot run is recorded as infeasible and the sweep goes on
+        return {"status": "infeasible", "run_id": trial.record_infeasible(cfg, overrides, err.errors)}
+    _report(result)
+    if result["status"] != "finished" and not multirun:
+        sys.exit(EXIT_FAILED)
+    return result
+
+
+def cli() -> None:
+    register_configs()
+    try:
+        main()
+    except SystemExit as exc:
+        # Hydra exits 1 when it cannot compose (unknown key, wrong type, missing preset):
+        # that is bad input, before any trial started
+        if exc.code == 1 and not _task_started:
+            raise SystemExit(EXIT_CONFIG) from None
+        raise

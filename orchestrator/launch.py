@@ -1,0 +1,81 @@
+"""Start a trial's worker processes on this node with torch's elastic launcher.
+
+This is the API behind ``torchrun``: it sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR for
+every worker, watches them, and restarts the whole worker group up to ``max_failures`` times.
+"""
+from __future__ import annotations
+
+import socket
+import uuid
+from typing import Any, Dict, Optional
+
+
+class TrialFailed(RuntimeError):
+    """A worker group failed beyond its restarts; ``status`` classifies why."""
+
+    def __init__(self, status: str, reason: str):
+        super().__init__(f"{status}: {reason}")
+        self.status, self.reason = status, reason
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def classify(message: str) -> str:
+    """Map a worker's failure message to a trial status."""
+    low = message.lower()
+    if "out of memory" in low or "outofmemoryerror" in low:
+        return "oom"
+    if "nonfiniteerror" in low or "non-finite" in low:
+        return "nonfinite"
+    if "timed out" in low or "timeout" in low:
+        return "timeout"
+    if "notimplementederror" in low or "not yet supported" in low or "not implemented" in low:
+        return "unsupported_op"
+    return "crash"
+
+
+def _failure_reason(err: Exception) -> str:
+    failures = getattr(err, "failures", None)
+    if not failures:
+        return f"{type(err).__name__}: {err}"
+    rank, failure = sorted(failures.items())[0]
+    message = failure.message if isinstance(failure.message, str) else str(failure.message)
+    if failure.signal_name() and failure.signal_name() != "<N/A>" and (not message or "Signal" in message):
+        message = f"killed by {failure.signal_name()}"
+    elif not message:
+        message = f"exit code {failure.exitcode}"
+    return f"rank {rank}: {message.strip().splitlines()[-1] if message.strip() else message}"
+
+
+def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: Dict[str, Any]) -> Dict[str, Any]:
+    """Run ``trainers.loop.worker_entry`` in ``world_size`` local processes; rank 0's summary."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from trainers.loop import worker_entry
+
+    host = launch.get("master_addr", "127.0.0.1")
+    port = int(launch.get("master_port") or 0) or free_port(host)
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world_size,
+        run_id=f"trial-{uuid.uuid4().hex[:8]}",
+        role="trainer",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"{host}:{port}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=int(launch.get("max_failures", 0)),
+        monitor_interval=0.2,
+        start_method=launch.get("start_method", "spawn"),
+    )
+    try:
+        results: Optional[Dict[int, Any]] = elastic_launch(config, worker_entry)(spec, reporter)
+    except ChildFailedError as err:
+        reason = _failure_reason(err)
+        raise TrialFailed(classify(reason), reason) from None
+    return (results or {}).get(0) or {}

@@ -1,0 +1,100 @@
+"""One trial, end to end: resolve the chip, validate, record in MLflow, launch, record the end.
+
+Nothing is launched and no MLflow run is created for a config that breaks a rule; a trial that
+fails after launch ends with its classified status and reason in MLflow.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrator import chips, tracking
+from orchestrator.launch import TrialFailed, launch_local
+from orchestrator.validate import layout, validate
+
+log = logging.getLogger("orchestrator")
+
+
+class ConfigError(ValueError):
+    """Broken rules of a config; ``errors`` has one line per rule."""
+
+    def __init__(self, errors: List[str]):
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def prepare(cfg: DictConfig) -> DictConfig:
+    """Resolve the chip and check every rule; raise ConfigError listing all broken ones."""
+    chips.resolve(cfg)
+    errors = validate(cfg)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+def build_spec(cfg: DictConfig) -> Dict[str, Any]:
+    """The plain-dict sections the trainer reads, with the chip turned into a runtime."""
+    lay = layout(cfg)
+    sections = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "trainer", "data", "precision", "comm")}
+    sections["parallel"] = {**OmegaConf.to_container(cfg.parallel, resolve=True), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp}
+    sections["runtime"] = chips.runtime(cfg.chip, cfg.comm, cfg.precision.compute_dtype)
+    return sections
+
+
+def trial_tags(cfg: DictConfig) -> Dict[str, str]:
+    lay = layout(cfg)
+    tags = {
+        "chip": cfg.chip.name,
+        "chip.source": cfg.chip.source,
+        "emulated": str(bool(cfg.chip.emulate)).lower(),
+        "model": cfg.model.name,
+        "precision": cfg.precision.name,
+        "layout": f"dp{lay.dp}tp{lay.tp}pp{lay.pp}",
+        "world_size": str(lay.world_size),
+    }
+    if cfg.trainer.fault.at_step >= 0 or cfg.trainer.fault.nan_at_step >= 0:
+        tags["fault"] = OmegaConf.to_yaml(cfg.trainer.fault).strip().replace("\n", ", ")
+    return tags
+
+
+def record_infeasible(cfg: DictConfig, overrides: Iterable[str], errors: List[str]) -> str:
+    """A sweep point that cannot run still gets a run, with status infeasible and the reasons."""
+    tags = trial_tags(cfg) if cfg.get("chip") is not None else {}
+    uri, run_id = tracking.start_run(cfg, overrides, tags)
+    tracking.end_run(uri, run_id, "infeasible", "; ".join(errors))
+    return run_id
+
+
+def run(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None) -> Dict[str, Any]:
+    """Validate, launch and record one trial; returns a result dict with status and run id.
+
+    Raises ConfigError (before anything is launched or recorded) for a broken config.
+    """
+    prepare(cfg)
+    overrides = list(overrides)
+    lay = layout(cfg)
+    spec = build_spec(cfg)
+    result: Dict[str, Any] = {"status": "running", "run_id": None}
+    reporter = None
+    if cfg.tracking.enabled:
+        uri, run_id = tracking.start_run(cfg, overrides, trial_tags(cfg))
+        result["run_id"] = run_id
+        reporter = tracking.MlflowReporter(uri, run_id, int(cfg.trainer.steps), progress)
+        tracking.log_metrics(uri, run_id, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "world_size": lay.world_size})
+    log.info("trial %s on %s%s: %s, %d process(es)", result["run_id"] or "(untracked)", cfg.chip.name,
+             " (emulated)" if cfg.chip.emulate else "", f"dp{lay.dp}tp{lay.tp}pp{lay.pp}", lay.world_size)
+    try:
+        summary = launch_local(spec, reporter, lay.world_size, OmegaConf.to_container(cfg.launch))
+        result.update(status=tracking.STATUS_OK, summary=summary)
+    except TrialFailed as err:
+        result.update(status=err.status, reason=err.reason)
+    except BaseException as err:  # the control plane itself was interrupted: still close the run
+        result.update(status="crash", reason=f"{type(err).__name__}: {err}")
+        if reporter is not None:
+            tracking.end_run(reporter.uri, reporter.run_id, result["status"], result["reason"])
+        raise
+    if reporter is not None:
+        tracking.end_run(reporter.uri, reporter.run_id, result["status"], result.get("reason", ""))
+    return result

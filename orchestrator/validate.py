@@ -1,0 +1,195 @@
+"""Cross-field rules of a composed config, all in one place.
+
+``validate(cfg)`` returns every broken rule at once, one line each, each naming its key
+(``parallel.tp=3 does not divide model.n_heads=8``). Per-key types and unknown keys are Hydra's
+job (the dataclass schemas); what is here needs more than one key, the chip, or the disk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List
+
+from omegaconf import DictConfig
+
+from orchestrator import chips
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+DTYPES = ("fp32", "bf16", "fp16")
+COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
+CHOICES = {
+    "parallel.schedule": SCHEDULES,
+    "parallel.dp_shard": ("ddp", "fsdp"),
+    "precision.param_dtype": DTYPES,
+    "precision.compute_dtype": DTYPES,
+    "precision.loss_scale": ("none", "dynamic", "static"),
+    "comm.compression": COMPRESSIONS,
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.mlp": ("gelu", "swiglu"),
+    "model.pos_emb": ("learned", "rope"),
+    "model.attn_impl": ("fused", "decomposed"),
+    "data.name": ("stdlib", "memmap", "synthetic"),
+    "trainer.optimizer": ("adamw",),
+    "launch.start_method": ("spawn", "forkserver", "fork"),
+}
+POSITIVE = (
+    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.d_ff", "model.max_seq_len",
+    "trainer.steps", "trainer.global_batch", "trainer.micro_batch", "trainer.seq_len", "trainer.lr",
+    "trainer.log_every", "comm.bucket_mb", "comm.buffsize_mb", "comm.timeout_s", "parallel.tp", "parallel.pp",
+    "parallel.microbatches", "parallel.virtual_stages", "launch.nnodes", "precision.init_scale",
+    "precision.growth_interval",
+)
+NON_NEGATIVE = ("trainer.warmup_steps", "trainer.lr_warmup_steps", "trainer.weight_decay", "trainer.grad_clip",
+                "trainer.checkpoint_every", "trainer.eval_every", "launch.max_failures", "data.num_workers",
+                "launch.master_port", "precision.monitor")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+def layout(cfg: DictConfig) -> Layout:
+    """dp x tp x pp, with ``parallel.dp=-1`` filled from ``launch.world_size`` (or, when that is
+    -1 too, from every device of the chip on ``launch.nnodes`` nodes)."""
+    p = cfg.parallel
+    tp, pp = max(1, int(p.tp)), max(1, int(p.pp))
+    if int(p.dp) > 0:
+        return Layout(int(p.dp), tp, pp)
+    world = int(cfg.launch.world_size)
+    if world <= 0:
+        world = int(cfg.chip.devices_per_node) * int(cfg.launch.nnodes)
+    return Layout(max(1, world // (tp * pp)), tp, pp)
+
+
+def _get(cfg: DictConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def validate(cfg: DictConfig) -> List[str]:
+    """Every broken cross-field rule of ``cfg`` (with ``cfg.chip`` resolved), one line each."""
+    errors: List[str] = []
+    err = errors.append
+    m, p, t, c, chip = cfg.model, cfg.parallel, cfg.trainer, cfg.comm, cfg.chip
+
+    for key, allowed in CHOICES.items():
+        if _get(cfg, key) not in allowed:
+            err(f"{key}={_get(cfg, key)}: must be one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        if not _get(cfg, key) > 0:
+            err(f"{key}={_get(cfg, key)}: must be positive")
+    for key in NON_NEGATIVE:
+        if _get(cfg, key) < 0:
+            err(f"{key}={_get(cfg, key)}: must not be negative")
+    if not 0.0 < c.topk_ratio <= 1.0:
+        err(f"comm.topk_ratio={c.topk_ratio}: must be in (0, 1]")
+    if not 0.0 <= cfg.data.val_fraction < 0.5:
+        err(f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 0.5)")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        err(f"trainer.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
+    if errors and any(k.split("=")[0] in ("parallel.tp", "parallel.pp", "model.n_heads", "model.n_layers",
+                                          "trainer.micro_batch", "trainer.global_batch", "launch.nnodes")
+                      for k in errors):
+        return errors  # the arithmetic below divides by these
+
+    # model shape
+    if m.d_model % m.n_heads:
+        err(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}")
+    kv = m.n_heads if m.n_kv_heads in (-1, 0) else m.n_kv_heads
+    if kv < 1 or m.n_heads % kv:
+        err(f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
+    if m.pos_emb == "rope" and (m.d_model // m.n_heads) % 2:
+        err(f"model.pos_emb=rope needs an even head dimension; model.d_model/model.n_heads={m.d_model // m.n_heads}")
+    if t.seq_len > m.max_seq_len:
+        err(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+
+    # parallel layout
+    if int(p.dp) == 0 or int(p.dp) < -1:
+        err(f"parallel.dp={p.dp}: must be positive, or -1 to fill from launch.world_size")
+        return errors
+    lay = layout(cfg)
+    world = int(cfg.launch.world_size)
+    if int(p.dp) == -1:
+        fill = world if world > 0 else int(chip.devices_per_node) * int(cfg.launch.nnodes)
+        if fill % (lay.tp * lay.pp):
+            err(f"parallel.dp=-1: world size {fill} is not divisible by parallel.tp*parallel.pp={lay.tp * lay.pp}")
+    elif world > 0 and lay.world_size != world:
+        err(f"parallel.dp*tp*pp={lay.dp}*{lay.tp}*{lay.pp}={lay.world_size} does not equal launch.world_size={world}")
+    if m.n_heads % lay.tp:
+        err(f"parallel.tp={lay.tp} does not divide model.n_heads={m.n_heads}")
+    elif kv % lay.tp:
+        err(f"parallel.tp={lay.tp} does not divide the key/value heads (model.n_kv_heads={kv})")
+    if m.d_ff % lay.tp:
+        err(f"parallel.tp={lay.tp} does not divide model.d_ff={m.d_ff}")
+    if lay.pp > m.n_layers:
+        err(f"parallel.pp={lay.pp} exceeds model.n_layers={m.n_layers}: a stage needs at least one layer")
+    per_replica, rem = divmod(int(t.global_batch), lay.dp)
+    if rem:
+        err(f"trainer.global_batch={t.global_batch} is not divisible by parallel.dp={lay.dp}")
+    elif per_replica % int(t.micro_batch):
+        err(f"trainer.global_batch={t.global_batch} / parallel.dp={lay.dp} = {per_replica} is not a multiple of "
+            f"trainer.micro_batch={t.micro_batch}")
+    if lay.pp > 1:
+        if p.microbatches < lay.pp:
+            err(f"parallel.microbatches={p.microbatches} is below parallel.pp={lay.pp}: the pipeline never fills")
+        if not rem and per_replica % p.microbatches:
+            err(f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
+                f"trainer.global_batch/parallel.dp={per_replica}")
+    if p.schedule in ("interleaved_1f1b", "zbv") and lay.pp > 1 and p.virtual_stages < 2:
+        err(f"parallel.virtual_stages={p.virtual_stages}: parallel.schedule={p.schedule} needs at least 2 stages per rank")
+    if lay.pp * p.virtual_stages > m.n_layers:
+        err(f"parallel.pp*virtual_stages={lay.pp * p.virtual_stages} exceeds model.n_layers={m.n_layers}")
+
+    # what this trainer runs today
+    if lay.tp > 1:
+        err(f"parallel.tp={lay.tp}: tensor parallelism is not yet supported by the trainer (data parallel only)")
+    if lay.pp > 1:
+        err(f"parallel.pp={lay.pp}: pipeline parallelism is not yet supported by the trainer (data parallel only)")
+    if p.dp_shard == "fsdp":
+        err("parallel.dp_shard=fsdp: FSDP is not yet supported by the trainer; use ddp")
+    if c.compression != "none":
+        err(f"comm.compression={c.compression}: gradient compression is not yet supported by the trainer")
+    if int(cfg.launch.nnodes) > 1:
+        err(f"launch.nnodes={cfg.launch.nnodes}: multi-node trials need the Ray launcher, not yet supported")
+
+    # the chip
+    for key in ("precision.param_dtype", "precision.compute_dtype"):
+        if _get(cfg, key) in DTYPES and _get(cfg, key) not in chip.dtypes:
+            err(f"{key}={_get(cfg, key)} is not supported by chip={chip.name} (supports {', '.join(chip.dtypes)})")
+    why = chips.availability_error(chip)
+    if why:
+        err(why)
+    per_node = -(-lay.world_size // int(cfg.launch.nnodes))
+    visible = chips.visible_devices(chip)
+    cap = visible if visible is not None else int(chip.devices_per_node)
+    if not why and per_node > cap:
+        err(f"parallel: dp*tp*pp={lay.world_size} needs {per_node} devices per node, chip={chip.name} has {cap} "
+            f"on each of launch.nnodes={cfg.launch.nnodes}")
+    if t.fault.kill_rank >= lay.world_size:
+        err(f"trainer.fault.kill_rank={t.fault.kill_rank} is not a rank of a {lay.world_size}-process trial")
+    if t.fault.nan_layer >= m.n_layers:
+        err(f"trainer.fault.nan_layer={t.fault.nan_layer} is not a layer of model.n_layers={m.n_layers}")
+
+    # data
+    d = cfg.data
+    if d.name == "memmap":
+        if not d.path:
+            err("data.path: data=memmap needs the path of a uint16 token file")
+        elif not Path(d.path).expanduser().is_file():
+            err(f"data.path={d.path}: no such file")
+        elif Path(d.path).expanduser().stat().st_size < 2 * (t.seq_len + 1):
+            err(f"data.path={d.path}: holds fewer than trainer.seq_len+1={t.seq_len + 1} uint16 tokens")
+    if d.name == "stdlib" and m.vocab_size < 256:
+        err(f"model.vocab_size={m.vocab_size}: data=stdlib is byte-level and needs at least 256")
+    if not cfg.tracking.experiment:
+        err("tracking.experiment: must not be empty")
+    return errors

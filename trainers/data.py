@@ -1,0 +1,175 @@
+"""Token data: a real offline corpus, user memmap files, or synthetic tokens.
+
+Every data-parallel rank reads its own slice of each global batch through a DataLoader with
+worker processes and prefetch. The order is a pure function of (seed, step), so a run resumes
+from any step by starting the sampler there, and ``dp=2`` sees exactly the sequences that
+``dp=1`` sees in the same step.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+@dataclass
+class DataArgs:
+    name: str = "stdlib"
+    path: Optional[str] = None
+    cache_dir: Optional[str] = None
+    max_corpus_mb: int = 16
+    val_fraction: float = 0.01
+    num_workers: int = 1
+    prefetch_factor: int = 4
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "chip-orchestrator"
+
+
+def stdlib_sources() -> list[Path]:
+    """The standard library's own ``.py`` files, in a stable order (no site-packages)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def stdlib_corpus(cache_dir: Optional[str] = None, max_mb: int = 16) -> Path:
+    """Byte-level tokens of the stdlib sources as a uint16 file, built once and cached.
+
+    The file name carries a hash of the Python version and the size cap, so two interpreters
+    never share a cache entry; the file is written under a temporary name and renamed, so a
+    reader never sees half of it.
+    """
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    key = hashlib.sha256(f"{sysconfig.get_python_version()}|{sysconfig.get_paths()['stdlib']}|{max_mb}".encode()).hexdigest()[:12]
+    out = cache / f"stdlib-bytes-{key}.u16"
+    if out.is_file():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    limit = max_mb * 1024 * 1024
+    chunks, size = [], 0
+    for path in stdlib_sources():
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data + b"\n\n")
+        size += len(data) + 2
+        if size >= limit:
+            break
+    raw = np.frombuffer(b"".join(chunks)[:limit], dtype=np.uint8).astype(np.uint16)
+    tmp = out.with_suffix(f".tmp{os.getpid()}")
+    raw.tofile(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+class TokenWindows(Dataset):
+    """Non-overlapping windows of ``seq_len + 1`` tokens over a flat uint16 token file."""
+
+    def __init__(self, path: str | Path, seq_len: int, split: str = "train", val_fraction: float = 0.0):
+        self.path, self.seq_len = str(path), seq_len
+        n_tokens = os.path.getsize(self.path) // 2
+        n_val = int(n_tokens * val_fraction)
+        self.lo, self.hi = (0, n_tokens - n_val) if split == "train" else (n_tokens - n_val, n_tokens)
+        self.n = max(0, (self.hi - self.lo - 1) // seq_len)
+        self._tokens: Optional[np.memmap] = None  # opened lazily, once per DataLoader worker
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+        start = self.lo + i * self.seq_len
+        w = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return w[:-1], w[1:]
+
+
+class SyntheticTokens(Dataset):
+    """Uniform random tokens, reproducible per index: for throughput runs."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int, n: int = 1 << 20):
+        self.vocab_size, self.seq_len, self.seed, self.n = vocab_size, seq_len, seed, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
+        w = torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
+        return w[:-1], w[1:]
+
+
+class StepSampler(Sampler[int]):
+    """Yields this rank's sample indices for steps ``start_step .. steps - 1``.
+
+    Step ``s`` uses positions ``s * G .. (s + 1) * G - 1`` of an endless stream made of seeded
+    permutations of the dataset, one per epoch; data-parallel rank ``r`` of ``dp`` takes the
+    ``r``-th contiguous ``G / dp`` of them.
+    """
+
+    def __init__(self, n: int, global_batch: int, dp_rank: int, dp_size: int, seed: int, steps: int, start_step: int = 0):
+        if n <= 0:
+            raise ValueError("the dataset has no full window; lower trainer.seq_len or use a larger corpus")
+        self.n, self.G, self.rank, self.dp, self.seed = n, global_batch, dp_rank, dp_size, seed
+        self.steps, self.start_step = steps, start_step
+        self._epoch, self._perm = -1, None
+
+    def _index(self, pos: int) -> int:
+        epoch, k = divmod(pos, self.n)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed + 7919 * epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g)
+        return int(self._perm[k])
+
+    def __iter__(self) -> Iterator[int]:
+        per_rank = self.G // self.dp
+        for step in range(self.start_step, self.steps):
+            base = step * self.G + self.rank * per_rank
+            for j in range(per_rank):
+                yield self._index(base + j)
+
+    def __len__(self) -> int:
+        return (self.steps - self.start_step) * (self.G // self.dp)
+
+
+def build_dataset(args: DataArgs, seq_len: int, vocab_size: int, seed: int, split: str = "train") -> Dataset:
+    if args.name == "synthetic":
+        return SyntheticTokens(vocab_size, seq_len, seed + (0 if split == "train" else 1))
+    path = args.path if args.name == "memmap" else stdlib_corpus(args.cache_dir, args.max_corpus_mb)
+    return TokenWindows(path, seq_len, split, args.val_fraction)
+
+
+def prepare(args: DataArgs) -> None:
+    """Build what the dataset reads (the cached corpus) once, before the ranks open it."""
+    if args.name == "stdlib":
+        stdlib_corpus(args.cache_dir, args.max_corpus_mb)
+
+
+def build_loader(
+    args: DataArgs, *, seq_len: int, vocab_size: int, seed: int, global_batch: int, micro_batch: int,
+    dp_rank: int, dp_size: int, steps: int, start_step: int = 0, pin_memory: bool = False,
+) -> DataLoader:
+    ds = build_dataset(args, seq_len, vocab_size, seed)
+    sampler = StepSampler(len(ds), global_batch, dp_rank, dp_size, seed, steps, start_step)
+    workers = max(0, args.num_workers)
+    return DataLoader(
+        ds, batch_size=micro_batch, sampler=sampler, drop_last=False, num_workers=workers,
+        prefetch_factor=args.prefetch_factor if workers else None, pin_memory=pin_memory,
+        persistent_workers=False,
+    )

@@ -1,0 +1,30 @@
+"""The one interface through which a worker's metrics leave the trainer.
+
+The trainer never imports MLflow, Ray or Hydra: the control plane hands it an object with these
+three methods (picklable, so it crosses into spawned worker processes), and rank 0 calls them.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Protocol
+
+
+class Reporter(Protocol):
+    def on_step(self, step: int, step_time_s: float) -> None:
+        """Called every step, cheaply (a progress bar); no metric is stored here."""
+
+    def log_steps(self, rows: List[Dict[str, Any]]) -> None:
+        """A batch of per-step metric rows, each with its ``step``."""
+
+    def finish(self, summary: Dict[str, Any]) -> None:
+        """Summary metrics of the trial, once, after the last step."""
+
+
+class NullReporter:
+    def on_step(self, step: int, step_time_s: float) -> None:
+        pass
+
+    def log_steps(self, rows: List[Dict[str, Any]]) -> None:
+        pass
+
+    def finish(self, summary: Dict[str, Any]) -> None:
+        pass

@@ -1,0 +1,76 @@
+"""Device, backend and process-group setup for one worker, for any chip.
+
+The control plane decides *which* chip (device type, backend, plugin, env); this module only
+applies the decision inside the worker process: environment first (HCCL/NCCL read it when the
+communicator is created), then the plugin import, the device from the local rank, and the
+process group with the configured timeout.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import os
+import resource
+from dataclasses import dataclass, field, fields
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class RuntimeArgs:
+    device_type: str = "cpu"  # cpu | cuda | npu
+    backend: str = "gloo"  # gloo | nccl | hccl
+    torch_plugin: Optional[str] = None
+    env: Dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 600.0
+    emulated: bool = False
+    peak_flops: float = 0.0  # per device, for the compute dtype; 0 = unknown
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RuntimeArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def apply_env(env: Dict[str, str]) -> None:
+    """Set backend variables (HCCL_BUFFSIZE, NCCL_BUFFSIZE, ...) unless the user already has."""
+    for key, value in env.items():
+        os.environ.setdefault(key, str(value))
+
+
+def select_device(rt: RuntimeArgs, local_rank: int) -> torch.device:
+    if rt.torch_plugin:
+        importlib.import_module(rt.torch_plugin)  # torch_npu registers the "npu" device
+    if rt.device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if rt.device_type == "npu":
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
+        return torch.device("npu", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(rt: RuntimeArgs) -> None:
+    if dist.is_initialized():
+        return
+    dist.init_process_group(backend=rt.backend, init_method="env://",
+                            timeout=_dt.timedelta(seconds=rt.timeout_s))
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)  # type: ignore[attr-defined]
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated device memory; on CPU the process's peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    if device.type == "npu":
+        return torch.npu.max_memory_allocated(device) / 2**30  # type: ignore[attr-defined]
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
