@@ -10,7 +10,7 @@ import importlib
 import importlib.util
 from typing import Any, Dict, Optional
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import conf_dir
 from orchestrator.config import ChipConfig
@@ -64,10 +64,20 @@ def detect() -> DictConfig:
 
 
 def resolve(cfg: DictConfig) -> DictConfig:
-    """Fill ``cfg.chip`` by detection when no ``+chip=NAME`` was given."""
-    if cfg.get("chip") is None:
-        with open_dict(cfg):
-            cfg.chip = detect()
+    """Fill ``cfg.chip`` by detection when no ``+chip=NAME`` was given.
+
+    ``chip.KEY=VALUE`` without ``+chip`` composes a chip with no name: the detected chip is
+    taken and the keys the user set are applied to it.
+    """
+    chip = cfg.chip
+    if not OmegaConf.is_missing(chip, "name"):
+        return cfg
+    detected = detect()
+    defaults = OmegaConf.structured(ChipConfig)
+    for key in chip:
+        if not OmegaConf.is_missing(chip, key) and chip[key] != defaults[key]:
+            detected[key] = chip[key]
+    cfg.chip = detected
     return cfg
 
 

@@ -169,8 +169,9 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
-    # not in the defaults list: `+chip=NAME` selects one, absent means detect the local one
-    chip: Optional[ChipConfig] = None
+    # not in the defaults list: `+chip=NAME` selects a preset; without it chip.name stays
+    # missing and the local accelerator is detected (keys set with chip.KEY=... still apply)
+    chip: ChipConfig = field(default_factory=ChipConfig)
 
 
 GROUPS: Dict[str, Any] = {

@@ -61,7 +61,7 @@ def trial_tags(cfg: DictConfig) -> Dict[str, str]:
 
 def record_infeasible(cfg: DictConfig, overrides: Iterable[str], errors: List[str]) -> str:
     """A sweep point that cannot run still gets a run, with status infeasible and the reasons."""
-    tags = trial_tags(cfg) if cfg.get("chip") is not None else {}
+    tags = trial_tags(cfg) if not OmegaConf.is_missing(cfg.chip, "name") else {}
     uri, run_id = tracking.start_run(cfg, overrides, tags)
     tracking.end_run(uri, run_id, "infeasible", "; ".join(errors))
     return run_id

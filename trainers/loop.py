@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainers import data as data_mod
@@ -242,6 +243,7 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
     return summary
 
 
+@record  # writes the exception to the elastic error file, so the launcher can report why
 def worker_entry(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional[Dict[str, Any]]:
     """Entry point of one worker process: env, process group, train, tear down."""
     rt = RuntimeArgs.from_dict(spec["runtime"])

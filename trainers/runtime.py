@@ -41,6 +41,11 @@ def apply_env(env: Dict[str, str]) -> None:
 
 
 def select_device(rt: RuntimeArgs, local_rank: int) -> torch.device:
+    if rt.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        # share the host's cores among this node's workers instead of each taking all of them
+        # (torchrun sets OMP_NUM_THREADS=1 for the same reason; the launcher API does not)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if rt.torch_plugin:
         importlib.import_module(rt.torch_plugin)  # torch_npu registers the "npu" device
     if rt.device_type == "cuda":

@@ -1,0 +1,89 @@
+"""Steady-state tokens/s of the trainer against a plain PyTorch loop of the same model.
+
+    python bench/trainer_throughput.py [--steps 40] [--repeats 3] [--model gpt_tiny]
+
+Three variants, interleaved in one run so that they see the same machine state, each repeated
+``--repeats`` times; a variant's figure is the median over repeats of its median step time after
+the warm-up steps:
+
+- plain:    model + AdamW + cross-entropy on tokens already in memory; nothing else.
+- trainer:  ``trainers.loop.train`` in this process (real corpus through the DataLoader, LR
+            schedule, gradient clipping, loss scaler bookkeeping, metric batching).
+- launched: the full path, ``orchestrator.trial.run``: torch's elastic launcher starts one
+            worker process (tracking off); start-up is not in the figure, steady state is.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from orchestrator import conf_dir, trial  # noqa: E402
+from orchestrator.config import register_configs  # noqa: E402
+from trainers.loop import train  # noqa: E402
+from trainers.model import GPT, ModelArgs, cross_entropy  # noqa: E402
+
+
+def plain_loop(spec: dict, steps: int, warmup: int) -> float:
+    """Median step time of the simplest loop that trains the same model on the same shapes."""
+    t = spec["trainer"]
+    torch.manual_seed(t["seed"])
+    model = GPT(ModelArgs.from_dict(spec["model"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], foreach=True)
+    accum = t["global_batch"] // t["micro_batch"]
+    vocab = spec["model"]["vocab_size"]
+    batches = [torch.randint(0, vocab, (t["micro_batch"], t["seq_len"] + 1)) for _ in range(accum)]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        for b in batches:
+            loss = cross_entropy(model(b[:, :-1]), b[:, 1:]) / accum
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[warmup:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model", default="gpt_tiny")
+    args = ap.parse_args()
+
+    register_configs()
+    overrides = ["+chip=cpu", f"model={args.model}", f"trainer.steps={args.steps}",
+                 f"trainer.warmup_steps={args.warmup}", "tracking.enabled=false"]
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        cfg = trial.prepare(compose("config", overrides=overrides))
+    spec = trial.build_spec(cfg)
+    tokens = cfg.trainer.global_batch * cfg.trainer.seq_len
+    train(spec)  # builds the corpus cache and warms the allocator before anything is timed
+
+    runs: dict[str, list[float]] = {"plain": [], "trainer": [], "launched": []}
+    for _ in range(args.repeats):
+        runs["plain"].append(plain_loop(spec, args.steps, args.warmup))
+        runs["trainer"].append(train(spec)["step_time_median_s"])
+        result = trial.run(cfg.copy(), overrides, progress=False)
+        runs["launched"].append(result["summary"]["step_time_median_s"])
+
+    base = statistics.median(runs["plain"])
+    print(f"model={args.model} global_batch={cfg.trainer.global_batch} seq_len={cfg.trainer.seq_len} "
+          f"steps={args.steps} (first {args.warmup} not timed) repeats={args.repeats} threads={torch.get_num_threads()}")
+    print(f"{'variant':<10} {'step_time_s':>12} {'tokens/s':>10} {'ratio to plain':>15}")
+    for name, values in runs.items():
+        st = statistics.median(values)
+        print(f"{name:<10} {st:>12.4f} {tokens / st:>10.0f} {base / st:>15.3f}")
+
+
+if __name__ == "__main__":
+    main()

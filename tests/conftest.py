@@ -1,0 +1,66 @@
+"""Shared fixtures: Hydra compose with a clean global state, a private MLflow store per test,
+and a helper that runs the real CLI in a subprocess."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from orchestrator import conf_dir
+from orchestrator.config import register_configs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def compose_cfg():
+    """compose_cfg(overrides) -> DictConfig, as `python -m orchestrator <overrides>` composes it."""
+    register_configs()
+
+    def _compose(overrides=()):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            return compose("config", overrides=list(overrides))
+
+    yield _compose
+    GlobalHydra.instance().clear()
+
+
+@pytest.fixture
+def mlflow_uri(tmp_path):
+    return "sqlite:///" + str(tmp_path / "mlruns.db")
+
+
+def cli_env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.update(extra)
+    return env
+
+
+def run_cli(args, cwd, timeout=300, **env) -> subprocess.CompletedProcess:
+    """`python -m orchestrator ARGS` in `cwd`, as a user would run it."""
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=cli_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def search_runs(uri: str, experiment: str = "default"):
+    import mlflow
+
+    mlflow.set_tracking_uri(uri)
+    exp = mlflow.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    return mlflow.search_runs([exp.experiment_id], output_format="list")
+
+
+def metric_history(uri: str, run_id: str, key: str) -> list:
+    from mlflow.tracking import MlflowClient
+
+    return sorted(MlflowClient(uri).get_metric_history(run_id, key), key=lambda m: m.step)

@@ -1,0 +1,33 @@
+"""A plain (non-editable) install ships conf/ and runs from any directory."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def test_wheel_install_runs_from_another_directory(tmp_path):
+    wheels, target, work = tmp_path / "wheels", tmp_path / "site", tmp_path / "work"
+    work.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
+                    "-w", str(wheels)], check=True, cwd=tmp_path, capture_output=True)
+    wheel = next(wheels.glob("*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    assert (target / "orchestrator" / "conf" / "chip" / "ascend910b.yaml").is_file()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    env["PYTHONPATH"] = str(target)  # the installed copy only, not the repository
+    proc = subprocess.run([sys.executable, "-m", "orchestrator", "+chip=cpu", "trainer=smoke", "trainer.steps=3"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "finished run" in proc.stdout
+    assert (work / "mlruns.db").is_file()
+    cfg = subprocess.run([sys.executable, "-m", "orchestrator", "+chip=ascend910b", "parallel=tp8pp4", "--cfg", "job"],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert cfg.returncode == 0 and "tp: 8" in cfg.stdout and "name: ascend910b" in cfg.stdout

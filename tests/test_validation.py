@@ -1,0 +1,82 @@
+"""Broken configs: each gets exit code 2, one line naming its key, no traceback, no MLflow run.
+
+The CLI cases run the real `python -m orchestrator` in a subprocess; the in-process cases check
+that every broken rule of one config is reported at once.
+"""
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.trial import ConfigError, prepare
+from tests.conftest import run_cli
+
+# (overrides, a key the error must name)
+BROKEN = [
+    (["parallel=dp2", "launch.world_size=3"], "launch.world_size"),
+    (["parallel.dp=-1", "parallel.tp=2", "launch.world_size=3", "model.n_heads=4"], "parallel.dp=-1"),
+    (["parallel.tp=3"], "parallel.tp=3"),
+    (["parallel.pp=8", "model.n_layers=4"], "parallel.pp=8"),
+    (["parallel=pp2", "parallel.microbatches=1"], "parallel.microbatches"),
+    (["parallel=pp2", "parallel.microbatches=3", "trainer.global_batch=8", "trainer.micro_batch=4"], "parallel.microbatches=3"),
+    (["trainer.global_batch=12", "trainer.micro_batch=8"], "trainer.micro_batch"),
+    (["parallel=dp2", "trainer.global_batch=9", "trainer.micro_batch=1"], "trainer.global_batch=9"),
+    (["model.n_heads=5"], "model.n_heads=5"),
+    (["trainer.seq_len=512"], "trainer.seq_len=512"),
+    (["comm.bucket_mb=0"], "comm.bucket_mb"),
+    (["comm.buffsize_mb=-200"], "comm.buffsize_mb"),
+    (["comm.timeout_s=0"], "comm.timeout_s"),
+    (["comm.topk_ratio=1.5"], "comm.topk_ratio"),
+    (["precision.compute_dtype=fp8"], "precision.compute_dtype"),
+    (["+chip=cpu", "chip.dtypes=[fp32]", "precision=bf16"], "precision.compute_dtype=bf16"),
+    (["parallel.schedule=zigzag"], "parallel.schedule"),
+    (["trainer.steps=0"], "trainer.steps"),
+    (["trainer.lr=-1"], "trainer.lr"),
+    (["data=memmap"], "data.path"),
+    (["data=memmap", "data.path=/nonexistent/tokens.bin"], "data.path"),
+    (["+chip=ascend910b"], "chip.emulate=true"),
+    (["+chip=h100"], "chip.emulate=true"),
+    (["parallel=dp8", "+chip=cpu", "chip.devices_per_node=4"], "chip=cpu"),
+    (["parallel=tp2"], "parallel.tp=2"),
+    (["parallel=pp2"], "parallel.pp=2"),
+    (["model.norm=batchnorm"], "model.norm"),
+    (["trainer.fault.kill_rank=3"], "trainer.fault.kill_rank"),
+    # rejected by Hydra against the schema while composing
+    (["parallel.tpp=2"], "parallel.tpp"),
+    (["trainer.steps=ten"], "trainer.steps"),
+    (["model=gpt5"], "model/gpt5"),
+    (["+chip=tpu"], "chip/tpu"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", BROKEN, ids=[" ".join(o) for o, _ in BROKEN])
+def test_broken_config_exits_2_naming_the_key(tmp_path, overrides, key):
+    db = tmp_path / "mlruns.db"
+    proc = run_cli(["trainer=smoke", *overrides], cwd=tmp_path, MLFLOW_TRACKING_URI=f"sqlite:///{db}")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert key in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    # nothing launched, nothing recorded: the store was never even opened
+    assert not db.exists()
+    assert not (tmp_path / "mlruns.db").exists() and not (tmp_path / "mlartifacts").exists()
+
+
+def test_every_broken_rule_is_reported_at_once(compose_cfg):
+    cfg = compose_cfg(["+chip=cpu", "parallel=dp2", "trainer.global_batch=9", "model.n_heads=3",
+                       "comm.bucket_mb=0", "comm.timeout_s=-1", "trainer.seq_len=1024"])
+    with pytest.raises(ConfigError) as info:
+        prepare(cfg)
+    lines = info.value.errors
+    for key in ("trainer.global_batch=9", "model.n_heads=3", "comm.bucket_mb", "comm.timeout_s", "trainer.seq_len"):
+        assert sum(key in line for line in lines) >= 1, (key, lines)
+    assert len(lines) >= 5
+
+
+def test_one_line_per_rule_and_no_traceback(tmp_path):
+    proc = run_cli(["+chip=cpu", "comm.bucket_mb=0", "trainer.steps=0"], cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert lines == ["error: trainer.steps=0: must be positive", "error: comm.bucket_mb=0.0: must be positive"]
+
+
+def test_a_valid_config_passes(compose_cfg):
+    assert prepare(compose_cfg(["+chip=cpu", "parallel=dp2"])).chip.name == "cpu"
