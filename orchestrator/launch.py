@@ -43,7 +43,10 @@ def _failure_reason(err: Exception) -> str:
     if not failures:
         return f"{type(err).__name__}: {err}"
     rank, failure = sorted(failures.items())[0]
-    message = failure.message if isinstance(failure.message, str) else str(failure.message)
+    message = failure.message
+    if isinstance(message, dict):  # the elastic error file: {"message": ..., "extraInfo": ...}
+        message = message.get("message", "")
+    message = str(message or "")
     if failure.signal_name() and failure.signal_name() != "<N/A>" and (not message or "Signal" in message):
         message = f"killed by {failure.signal_name()}"
     elif not message:

@@ -135,29 +135,33 @@ def validate(cfg: DictConfig) -> List[str]:
     per_replica, rem = divmod(int(t.global_batch), lay.dp)
     if rem:
         err(f"trainer.global_batch={t.global_batch} is not divisible by parallel.dp={lay.dp}")
-    elif per_replica % int(t.micro_batch):
+    elif lay.pp == 1 and per_replica % int(t.micro_batch):
         err(f"trainer.global_batch={t.global_batch} / parallel.dp={lay.dp} = {per_replica} is not a multiple of "
             f"trainer.micro_batch={t.micro_batch}")
     if lay.pp > 1:
+        # the pipeline splits each replica's batch into parallel.microbatches itself
         if p.microbatches < lay.pp:
             err(f"parallel.microbatches={p.microbatches} is below parallel.pp={lay.pp}: the pipeline never fills")
         if not rem and per_replica % p.microbatches:
             err(f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
                 f"trainer.global_batch/parallel.dp={per_replica}")
-    if p.schedule in ("interleaved_1f1b", "zbv") and lay.pp > 1 and p.virtual_stages < 2:
-        err(f"parallel.virtual_stages={p.virtual_stages}: parallel.schedule={p.schedule} needs at least 2 stages per rank")
-    if lay.pp * p.virtual_stages > m.n_layers:
-        err(f"parallel.pp*virtual_stages={lay.pp * p.virtual_stages} exceeds model.n_layers={m.n_layers}")
-
-    # what this trainer runs today
-    if lay.tp > 1:
-        err(f"parallel.tp={lay.tp}: tensor parallelism is not yet supported by the trainer (data parallel only)")
-    if lay.pp > 1:
-        err(f"parallel.pp={lay.pp}: pipeline parallelism is not yet supported by the trainer (data parallel only)")
-    if p.dp_shard == "fsdp":
-        err("parallel.dp_shard=fsdp: FSDP is not yet supported by the trainer; use ddp")
-    if c.compression != "none":
-        err(f"comm.compression={c.compression}: gradient compression is not yet supported by the trainer")
+        if p.schedule == "interleaved_1f1b" and p.microbatches % lay.pp:
+            err(f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={lay.pp} "
+                f"for parallel.schedule=interleaved_1f1b")
+        if p.schedule == "interleaved_1f1b" and p.virtual_stages < 2:
+            err(f"parallel.virtual_stages={p.virtual_stages}: parallel.schedule=interleaved_1f1b needs at least "
+                f"2 stages per rank")
+        stages = lay.pp * (2 if p.schedule == "zbv" else p.virtual_stages if p.schedule == "interleaved_1f1b" else 1)
+        if stages > m.n_layers:
+            err(f"parallel.pp={lay.pp} x stages per rank = {stages} stages exceeds model.n_layers={m.n_layers}")
+        if m.tie_embeddings:
+            err(f"model.tie_embeddings=true with parallel.pp={lay.pp}: the embedding and the head sit on "
+                f"different stages; set model.tie_embeddings=false")
+    if c.compression != "none" and (lay.dp == 1 or lay.tp > 1 or p.dp_shard != "ddp"):
+        err(f"comm.compression={c.compression} applies to DDP gradient all-reduces: it needs parallel.dp>1, "
+            f"parallel.tp=1 and parallel.dp_shard=ddp")
+    if p.sequence_parallel and lay.tp == 1:
+        err("parallel.sequence_parallel=true needs parallel.tp>1")
     if int(cfg.launch.nnodes) > 1:
         err(f"launch.nnodes={cfg.launch.nnodes}: multi-node trials need the Ray launcher, not yet supported")
 

@@ -7,7 +7,9 @@ heads) through :class:`ModelArgs`.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -136,42 +138,83 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """The decoder. Pipeline stages are the same class with parts removed: a stage without the
+    embedding takes hidden states in, a stage without the head gives hidden states out, and
+    ``layers`` keeps each block under its global index so parameter names match the whole model.
+    """
+
+    def __init__(self, args: ModelArgs, seed: int = 0):
         super().__init__()
         self.args = args
-        self.tok_emb = nn.Embedding(args.vocab_size, args.d_model)
+        self.tok_emb: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.d_model)
         self.pos_emb = nn.Embedding(args.max_seq_len, args.d_model) if args.pos_emb == "learned" else None
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
-        self.norm = make_norm(args)
-        self.head = nn.Linear(args.d_model, args.vocab_size, bias=False)
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm: Optional[nn.Module] = make_norm(args)
+        self.head: Optional[nn.Linear] = nn.Linear(args.d_model, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         if args.pos_emb == "rope":
-            cos, sin = rope_tables(args.head_dim, args.max_seq_len)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+            self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights(seed)
 
-    def reset_parameters(self) -> None:
-        # GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layers)
+    def init_buffers(self) -> None:
+        if self.args.pos_emb == "rope":
+            cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 initialisation, N(0, 0.02) with residual projections scaled by 1/sqrt(2 L).
+
+        Each parameter draws from its own generator seeded by (seed, name), so any part of the
+        model (a pipeline stage, a tensor-parallel or FSDP shard) gets exactly the values the
+        whole model would have: a shard is cut from the full tensor drawn on the CPU.
+        """
         for name, p in self.named_parameters():
-            if p.dim() < 2:
-                continue
-            std = 0.02 / math.sqrt(2 * self.args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
-            nn.init.normal_(p, mean=0.0, std=std)
+            full = init_tensor(name, tuple(p.shape), seed, self.args.n_layers)
+            copy_into(p, full)
+        self.init_buffers()
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        t = tokens.shape[1]
-        x = self.tok_emb(tokens)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(t, device=tokens.device))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:
+            t = x.shape[1]
+            x = self.tok_emb(x)
+            if self.pos_emb is not None:
+                x = x + self.pos_emb(torch.arange(t, device=x.device))
         rope = (self.rope_cos, self.rope_sin) if self.args.pos_emb == "rope" else None
-        for layer in self.layers:
+        for layer in self.layers.values():
             if self.args.activation_checkpointing and self.training:
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
                 x = layer(x, rope)
-        return self.head(self.norm(x))
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.head is not None:
+            x = self.head(x)
+        return x
+
+
+def init_tensor(name: str, shape: tuple, seed: int, n_layers: int) -> torch.Tensor:
+    """The full initial value of parameter ``name``, independent of every other parameter."""
+    if len(shape) < 2:  # norm weights 1, biases 0
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    std = 0.02 / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    return torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+def copy_into(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full CPU tensor into a parameter, or into this rank's shard of a DTensor."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        p.to_local().copy_(local)
+    else:
+        p.copy_(full)
 
 
 def count_params(model: nn.Module) -> int:

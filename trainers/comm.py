@@ -1,0 +1,111 @@
+"""Gradient compression as DDP communication hooks: fp16 / bf16 casts, PowerSGD, and top-k
+sparsification with error feedback. Each hook counts the bytes it puts on the wire, so the
+compressed volume can be logged beside the dense one.
+
+Top-k keeps the ``ratio`` largest-magnitude entries of (gradient + residual) per bucket and
+carries the rest to the next step (error feedback, Stich et al. 2018; Lin et al. 2018, "Deep
+Gradient Compression"). Safe range for ``comm.topk_ratio``: 0.01 to 0.3. Below 0.01 the residual
+grows for many steps before it is sent and the loss lags dense training; above ~0.3 an
+all-gather of values and indices moves more bytes than the dense all-reduce it replaces.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class CommStats:
+    dense_bytes: int = 0  # what a plain all-reduce of the same buckets would send, per rank
+    sent_bytes: int = 0  # what the compressed collective sent, per rank
+
+    def take(self) -> Dict[str, float]:
+        out = {"comm_dense_mb": self.dense_bytes / 2**20, "comm_sent_mb": self.sent_bytes / 2**20}
+        self.dense_bytes = self.sent_bytes = 0
+        return out
+
+
+@dataclass
+class _State:
+    group: Optional[dist.ProcessGroup]
+    world: int
+    stats: CommStats
+    ratio: float = 0.1
+    dtype: torch.dtype = torch.float16
+    residuals: Dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def _done(t: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(t)
+    return fut
+
+
+def _cast_hook(state: _State, bucket) -> torch.futures.Future:
+    """All-reduce the bucket in a 16-bit dtype; the result is written back in fp32."""
+    buf = bucket.buffer()
+    wire = buf.to(state.dtype).div_(state.world)
+    state.stats.dense_bytes += buf.numel() * buf.element_size()
+    state.stats.sent_bytes += wire.numel() * wire.element_size()
+    if state.dtype == torch.bfloat16 and dist.get_backend(state.group) == "gloo":
+        # gloo has no bf16 reduction kernel: gather the bf16 shards and sum them in fp32
+        parts = [torch.empty_like(wire) for _ in range(state.world)]
+        dist.all_gather(parts, wire, group=state.group)
+        buf.copy_(torch.stack([p.float() for p in parts]).sum(0))
+        return _done(buf)
+    fut = dist.all_reduce(wire, group=state.group, async_op=True).get_future()
+
+    def write_back(f):
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(write_back)
+
+
+def _topk_hook(state: _State, bucket) -> torch.futures.Future:
+    buf = bucket.buffer()
+    acc = buf + state.residuals.get(bucket.index(), 0)
+    k = max(1, int(state.ratio * acc.numel()))
+    idx = acc.abs().topk(k, sorted=False).indices
+    vals = acc[idx]
+    residual = acc.clone()
+    residual[idx] = 0
+    state.residuals[bucket.index()] = residual
+    idx32 = idx.to(torch.int32)
+    all_vals = [torch.empty_like(vals) for _ in range(state.world)]
+    all_idx = [torch.empty_like(idx32) for _ in range(state.world)]
+    dist.all_gather(all_vals, vals, group=state.group)
+    dist.all_gather(all_idx, idx32, group=state.group)
+    out = torch.zeros_like(buf)
+    for v, i in zip(all_vals, all_idx):
+        out.index_add_(0, i.long(), v)
+    buf.copy_(out.div_(state.world))
+    state.stats.dense_bytes += buf.numel() * buf.element_size()
+    state.stats.sent_bytes += k * (vals.element_size() + idx32.element_size())
+    return _done(buf)
+
+
+def register(ddp, compression: str, group, *, topk_ratio: float = 0.1, powersgd_rank: int = 4) -> Optional[CommStats]:
+    """Install the hook for ``compression`` on a DDP module; returns the byte counters."""
+    if compression == "none":
+        return None
+    world = dist.get_world_size(group)
+    stats = CommStats()
+    if compression in ("fp16", "bf16"):
+        dtype = torch.float16 if compression == "fp16" else torch.bfloat16
+        ddp.register_comm_hook(_State(group, world, stats, dtype=dtype), _cast_hook)
+    elif compression == "topk":
+        ddp.register_comm_hook(_State(group, world, stats, ratio=topk_ratio), _topk_hook)
+    elif compression == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
+                                   start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        return None  # PowerSGD's own volume depends on its per-tensor rank decisions: not counted
+    else:
+        raise ValueError(f"unknown gradient compression {compression!r}")
+    return stats

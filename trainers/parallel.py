@@ -1,0 +1,252 @@
+"""3D parallelism on a device mesh: pipeline stages first, then tensor parallelism, activation
+checkpointing, then data parallelism (FSDP2 ``fully_shard``, or DDP where there is no TP).
+
+Mesh order is (dp, pp, tp) with tp innermost: consecutive ranks form a TP group, so a TP group
+stays inside one node (8 NPUs of an Atlas 800T A2, 8 GPUs of a DGX) where HCCS/NVLink carry its
+per-layer all-reduces; PP crosses nodes next, DP outermost.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from trainers.model import GPT, ModelArgs
+
+
+@dataclass
+class ParallelArgs:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    dp_shard: str = "ddp"
+    sequence_parallel: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ParallelArgs":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp == 1:
+            return 1
+        if self.schedule == "zbv":
+            return 2
+        return self.virtual_stages if self.schedule == "interleaved_1f1b" else 1
+
+
+def bubble_fraction(pp: int, microbatches: int, schedule: str, virtual_stages: int = 1) -> float:
+    """Idle share of a pipeline step: (p-1)/(p-1+m) for GPipe and 1F1B (Narayanan et al. 2021);
+    interleaving v stages per rank divides the bubble by v: (p-1)/(p-1+v m). ZBV schedules the
+    weight-gradient work into the bubble; it is counted as the interleaved form with v=2, an upper
+    bound (the zero-bubble paper reaches ~0 only when F, B and W times balance)."""
+    if pp <= 1:
+        return 0.0
+    v = 2 if schedule == "zbv" else (virtual_stages if schedule == "interleaved_1f1b" else 1)
+    return (pp - 1) / (pp - 1 + v * microbatches)
+
+
+@dataclass
+class Mesh:
+    """The world as (dp, pp, tp) coordinates, with the process groups each dimension needs."""
+
+    device_mesh: Any
+    dp: int
+    pp: int
+    tp: int
+    dp_rank: int
+    pp_rank: int
+    tp_rank: int
+
+    def group(self, dim: str):
+        return self.device_mesh[dim].get_group()
+
+    def sub(self, dim: str):
+        return self.device_mesh[dim]
+
+
+def build_mesh(device_type: str, p: ParallelArgs) -> Mesh:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if p.dp * p.pp * p.tp != world:
+        raise ValueError(f"dp*pp*tp={p.dp}*{p.pp}*{p.tp} does not equal the world size {world}")
+    mesh = init_device_mesh(device_type, (p.dp, p.pp, p.tp), mesh_dim_names=("dp", "pp", "tp"))
+    coord = mesh.get_coordinate()
+    return Mesh(mesh, p.dp, p.pp, p.tp, coord[0], coord[1], coord[2])
+
+
+def stage_ids(p: ParallelArgs, pp_rank: int) -> List[int]:
+    """Global stage indices held by this pipeline rank: one for GPipe/1F1B; every pp-th for
+    interleaved 1F1B; a V (stage r and 2p-1-r) for ZBV."""
+    if p.pp == 1:
+        return [0]
+    if p.schedule == "zbv":
+        return [pp_rank, 2 * p.pp - 1 - pp_rank]
+    return [pp_rank + k * p.pp for k in range(p.stages_per_rank)]
+
+
+def layer_split(n_layers: int, n_stages: int) -> List[range]:
+    """Contiguous blocks per stage, the remainder going to the earliest stages."""
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+def make_stage(args: ModelArgs, stage: int, n_stages: int) -> GPT:
+    """The part of the model that stage ``stage`` of ``n_stages`` runs, built on meta."""
+    with torch.device("meta"):
+        model = GPT(args)
+    if n_stages == 1:
+        return model
+    keep = set(map(str, layer_split(args.n_layers, n_stages)[stage]))
+    for name in list(model.layers.keys()):
+        if name not in keep:
+            del model.layers[name]
+    if stage != 0:
+        model.tok_emb, model.pos_emb = None, None
+    if stage != n_stages - 1:
+        model.norm, model.head = None, None
+    return model
+
+
+def apply_tp(model: GPT, tp_mesh, sequence_parallel: bool) -> None:
+    """Megatron-style tensor parallelism with DTensor: q/k/v and the MLP's first projections
+    column-parallel, the output projections row-parallel (one all-reduce per sub-layer forward),
+    a vocab-parallel embedding, and a head sharded over the vocabulary whose logits are
+    all-gathered for the loss. With sequence parallelism the norms and residual stream are
+    sharded along the sequence (all-gather before, reduce-scatter after each sub-layer)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    sp = sequence_parallel
+    act = Shard(1) if sp else Replicate()
+    top: Dict[str, Any] = {}
+    if model.tok_emb is not None:
+        top["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.head is not None:
+        top["head"] = ColwiseParallel(input_layouts=act, output_layouts=Replicate())
+        if sp:
+            top["norm"] = SequenceParallel()
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        plan: Dict[str, Any] = {
+            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wo": RowwiseParallel(output_layouts=act),
+            "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=act),
+        }
+        if block.mlp.w3 is not None:
+            plan["mlp.w3"] = ColwiseParallel()
+        if sp:
+            plan.update({
+                "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, tp_mesh, plan)
+    if sp and model.tok_emb is not None:
+        # the embedding (plus learned positions) is replicated; the first block shards the
+        # residual stream along the sequence. Between pipeline stages it travels sharded.
+        first = next(iter(model.layers.values()))
+        parallelize_module(first, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(), None),
+                                                              desired_input_layouts=(Shard(1), None),
+                                                              use_local_output=True))
+
+
+def apply_fsdp(model: GPT, dp_mesh, reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2: each block is its own unit (its all-gather overlaps the previous block's compute),
+    then the stage root gathers what is left (embeddings, final norm, head)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    return model
+
+
+def build_stages(margs: ModelArgs, p: ParallelArgs, mesh: Mesh, device: torch.device, seed: int
+                 ) -> List[Tuple[int, GPT]]:
+    """This rank's (stage index, module) pairs, materialised on ``device``, initialised exactly
+    as the single-process model, tensor-parallel where tp > 1. Data parallelism comes after."""
+    n_stages = p.pp * p.stages_per_rank
+    out = []
+    for sid in stage_ids(p, mesh.pp_rank):
+        module = make_stage(margs, sid, n_stages)
+        if p.tp > 1:
+            apply_tp(module, mesh.sub("tp"), p.sequence_parallel)
+        module.to_empty(device=device)
+        module.init_weights(seed)
+        out.append((sid, module))
+    return out
+
+
+def replication(t: torch.Tensor, mesh: Mesh) -> int:
+    """How many ranks of one pipeline stage hold an identical copy of these values.
+
+    A stage is spread over dp*tp ranks; a DTensor sharded over mesh dims of total size S has
+    dp*tp/S identical copies; a plain tensor is a full copy on each of the dp*tp ranks. Asked of
+    the gradient, not the parameter: a sharded embedding's gradient can come back replicated."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    shard = 1
+    if isinstance(t, DTensor):
+        for size, placement in zip(t.device_mesh.shape, t.placements):
+            if isinstance(placement, Shard) or type(placement).__name__ == "_StridedShard":
+                shard *= size
+    return max(1, (mesh.dp * mesh.tp) // shard)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _materialise_partial(g: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    if isinstance(g, DTensor) and any(isinstance(pl, Partial) for pl in g.placements):
+        return g.redistribute(g.device_mesh, [Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+    return g
+
+
+@torch.no_grad()
+def global_grad_norm(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> torch.Tensor:
+    """The L2 norm of the whole model's gradient across TP shards, pipeline stages and replicas,
+    each value counted once: sum over ranks of (local squares / copies), one all-reduce."""
+    grads = [(p, p.grad) for p in params if p.grad is not None]
+    device = grads[0][1].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for _, g in grads:
+        g = _materialise_partial(g)
+        sq = local(g).double().pow(2).sum()
+        total += sq / (replication(g, mesh) if mesh is not None else 1)
+    if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.sqrt()
+
+
+@torch.no_grad()
+def clip_grads_(params: List[torch.nn.Parameter], max_norm: float, mesh: Optional[Mesh]) -> float:
+    """Clip by the true global norm (stock clip_grad_norm_ fails with DTensor and, under
+    pipelining, would clip each stage by its own norm). Returns the norm before clipping."""
+    norm = float(global_grad_norm(params, mesh))
+    if max_norm > 0 and norm == norm and norm > max_norm:
+        coef = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                local(p.grad).mul_(coef)
+    return norm
