@@ -8,8 +8,6 @@ Gradient Compression"). Safe range for ``comm.topk_ratio``: 0.01 to 0.3. Below 0
 grows for many steps before it is sent and the loss lags dense training; above ~0.3 an
 all-gather of values and indices moves more bytes than the dense all-reduce it replaces.
 """
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -38,13 +36,13 @@ class _State:
     residuals: Dict[int, torch.Tensor] = field(default_factory=dict)
 
 
-def _done(t: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
+def _done(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(t)
     return fut
 
 
-def _cast_hook(state: _State, bucket) -> torch.futures.Future:
+def _cast_hook(state: _State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce the bucket in a 16-bit dtype; the result is written back in fp32."""
     buf = bucket.buffer()
     wire = buf.to(state.dtype).div_(state.world)
@@ -65,11 +63,19 @@ def _cast_hook(state: _State, bucket) -> torch.futures.Future:
     return fut.then(write_back)
 
 
-def _topk_hook(state: _State, bucket) -> torch.futures.Future:
+def _topk_hook(state: _State, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Per tensor of the bucket (as DGC does per layer, so small-gradient tensors such as norms
+    still get their share), keep the top ``ratio`` of |gradient + residual|; all-gather the kept
+    values and their int32 indices; the rest stays in the residual for the next step."""
     buf = bucket.buffer()
     acc = buf + state.residuals.get(bucket.index(), 0)
-    k = max(1, int(state.ratio * acc.numel()))
-    idx = acc.abs().topk(k, sorted=False).indices
+    picks, offset = [], 0
+    for g in bucket.gradients():
+        n = g.numel()
+        k = max(1, int(state.ratio * n))
+        picks.append(acc[offset : offset + n].abs().topk(k, sorted=False).indices + offset)
+        offset += n
+    idx = torch.cat(picks)
     vals = acc[idx]
     residual = acc.clone()
     residual[idx] = 0
@@ -84,11 +90,11 @@ def _topk_hook(state: _State, bucket) -> torch.futures.Future:
         out.index_add_(0, i.long(), v)
     buf.copy_(out.div_(state.world))
     state.stats.dense_bytes += buf.numel() * buf.element_size()
-    state.stats.sent_bytes += k * (vals.element_size() + idx32.element_size())
+    state.stats.sent_bytes += idx.numel() * (vals.element_size() + idx32.element_size())
     return _done(buf)
 
 
-def register(ddp, compression: str, group, *, topk_ratio: float = 0.1, powersgd_rank: int = 4) -> Optional[CommStats]:
+def register(ddp, compression: str, group, *, topk_ratio: float = 0.1, powersgd_rank: int = 4) -> Optional["CommStats"]:
     """Install the hook for ``compression`` on a DDP module; returns the byte counters."""
     if compression == "none":
         return None

@@ -23,10 +23,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainers import comm as comm_mod
 from trainers import data as data_mod
 from trainers.model import GPT, ModelArgs, RMSNorm, count_params, cross_entropy
-from trainers.parallel import ParallelArgs, apply_fsdp, bubble_fraction, build_mesh, build_stages, clip_grads_
+from trainers.parallel import (ParallelArgs, apply_fsdp, bubble_fraction, build_mesh, build_stages, clip_grads_,
+                               param_checksum)
 from trainers.precision import DynamicLossScaler, PrecisionArgs, autocast
 from trainers.report import NullReporter, Reporter
-from trainers.runtime import RuntimeArgs, apply_env, init_process_group, peak_memory_gb, select_device, synchronize
+from trainers.runtime import (RuntimeArgs, apply_env, compile_backend, init_process_group, peak_memory_gb,
+                              select_device, synchronize)
 
 
 class NonFiniteError(RuntimeError):
@@ -58,6 +60,8 @@ class TrainArgs:
     warmup_steps: int = 3
     log_every: int = 10
     deterministic: bool = True
+    compile: bool = False
+    compile_backend: str = "auto"
     fault: FaultArgs = field(default_factory=FaultArgs)
 
     @classmethod
@@ -149,9 +153,13 @@ class _Model:
         self.n_stages = p.pp * p.stages_per_rank
         self.stage_ids = [sid for sid, _ in stages]
         self.modules = [m for _, m in stages]
-        self.n_params_local = sum(m.numel() for mod in self.modules for m in {id(q): q for q in mod.parameters()}.values())
         for m in self.modules:
             force_fp32(m, self.pargs.fp32_ops if self.pargs.compute_dtype != "fp32" else [], device.type)
+            if self.targs.compile:
+                # per block, as torchtitan does: each block's graph is the same, so it compiles once
+                backend = compile_backend(device.type, self.targs.compile_backend)
+                for block in m.layers.values():
+                    block.compile(backend=backend)
         self.comm_stats = None
         self.wrapped: List[torch.nn.Module] = []
         for m in self.modules:
@@ -297,6 +305,7 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
         pending.clear()
         pending_loss.clear()
 
+    param_sum_initial = param_checksum(model.params, mesh)
     model.train()
     it = iter(loader)
     for step in range(targs.steps):
@@ -322,9 +331,8 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
         synchronize(device)
         dt = time.perf_counter() - t0
         row = {"step": step, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, "lr": lr, "grad_norm": grad_norm}
-        if scaler.enabled:
-            row["loss_scale"] = scaler.scale
-            row["skipped_steps"] = scaler.skipped_steps
+        row["loss_scale"] = scaler.scale
+        row["skipped_steps"] = scaler.skipped_steps
         if model.comm_stats is not None:
             row.update(model.comm_stats.take())
         pending.append(row)
@@ -334,7 +342,9 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
         if (step + 1) % max(1, targs.log_every) == 0 or step == targs.steps - 1:
             flush()
 
-    peaks = _gather_peaks(device, world)
+    peaks = _gather(peak_memory_gb(device), device, world)
+    skipped = _gather(float(scaler.skipped_steps), device, world)
+    param_sum_final = param_checksum(model.params, mesh)
     if rank != 0:
         return None
     timed = [r["step_time_s"] for r in history if r["step"] >= targs.warmup_steps] or [r["step_time_s"] for r in history]
@@ -347,7 +357,10 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
         "peak_mem_gb": max(peaks),
         "n_params": n_params,
         "mfu": (flops_per_token * tokens_per_step / median) / peak_flops if peak_flops > 0 else None,
-        "skipped_steps": scaler.skipped_steps,
+        "skipped_steps_total": scaler.skipped_steps,
+        "skipped_steps_per_rank": [int(v) for v in skipped],
+        "param_sum_initial": param_sum_initial,
+        "param_sum_final": param_sum_final,
         "world_size": world,
         "bubble_fraction": bubble_fraction(p.pp, p.microbatches, p.schedule, p.virtual_stages),
     }
@@ -363,8 +376,9 @@ def count_params_global(margs: ModelArgs) -> int:
         return count_params(GPT(margs))
 
 
-def _gather_peaks(device: torch.device, world: int) -> List[float]:
-    mine = torch.tensor([peak_memory_gb(device)], dtype=torch.float64, device=device)
+def _gather(value: float, device: torch.device, world: int) -> List[float]:
+    """One number from every rank, in rank order."""
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
     if not dist.is_initialized() or world == 1:
         return [float(mine)]
     out = [torch.zeros_like(mine) for _ in range(world)]

@@ -250,3 +250,16 @@ def clip_grads_(params: List[torch.nn.Parameter], max_norm: float, mesh: Optiona
             if p.grad is not None:
                 local(p.grad).mul_(coef)
     return norm
+
+
+@torch.no_grad()
+def param_checksum(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> float:
+    """Sum of every parameter value of the whole model, each counted once (as the grad norm):
+    equal before and after a step exactly when the step changed nothing."""
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        total += local(p).double().sum() / (replication(p, mesh) if mesh is not None else 1)
+    if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return float(total)

@@ -13,6 +13,8 @@ from typing import Iterable, List
 import torch
 import torch.distributed as dist
 
+from trainers.parallel import local
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -65,9 +67,9 @@ class DynamicLossScaler:
 
     def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
         """Divide gradients by the scale in place; return True when every rank's are finite."""
-        grads = [p.grad for p in params if p.grad is not None]
         if not self.enabled:
             return True
+        grads = [local(p.grad) for p in params if p.grad is not None]  # DTensor shards in place
         inv = 1.0 / self.scale
         found_inf = torch.zeros(1, device=self.device)
         for g in grads:

@@ -79,3 +79,19 @@ def peak_memory_gb(device: torch.device) -> float:
         return torch.npu.max_memory_allocated(device) / 2**30  # type: ignore[attr-defined]
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
+
+
+def compile_backend(device_type: str, requested: str = "auto"):
+    """The torch.compile backend for this device. On Ascend, Inductor has no NPU code generator in
+    most CANN releases: TorchAir's ``get_npu_backend()`` turns the captured graph into a GE graph
+    (import torch_npu before torchair). Elsewhere Inductor."""
+    if requested != "auto":
+        return requested
+    if device_type == "npu":
+        try:
+            import torchair  # type: ignore[import-not-found]
+
+            return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+        except ImportError:
+            return "aot_eager"  # graph capture without a device code generator
+    return "inductor"
