@@ -125,7 +125,8 @@ def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> Dict[str,
         env.setdefault("HCCL_BUFFSIZE", str(comm.buffsize_mb))
         env.setdefault("HCCL_CONNECT_TIMEOUT", str(int(comm.timeout_s)))
     elif chip.dist_backend == "nccl":
-        env.setdefault("NCCL_BUFFSIZE", str(int(comm.buffsize_mb) * 1024 * 1024))
+        # NCCL allocates this per channel and per peer: MiB, not HCCL's per-communicator MB
+        env.setdefault("NCCL_BUFFSIZE", str(int(float(comm.nccl_buffsize_mb) * 1024 * 1024)))
     env.update({k: str(v) for k, v in comm.env.items()})
     peak = float(chip.peak_tflops.get(compute_dtype, chip.peak_tflops.get("fp32", 0.0)))
     return {

@@ -69,7 +69,8 @@ class PrecisionConfig:
 class CommConfig:
     name: str = "default"
     bucket_mb: float = 25.0  # DDP gradient bucket size
-    buffsize_mb: int = 200  # HCCL_BUFFSIZE / NCCL_BUFFSIZE (MB)
+    buffsize_mb: int = 200  # HCCL_BUFFSIZE (MB per communicator; CANN's default 200)
+    nccl_buffsize_mb: float = 4.0  # NCCL_BUFFSIZE (MiB per channel and peer; NCCL's default 4)
     timeout_s: float = 600.0  # process-group collective timeout
     compression: str = "none"  # none | fp16 | bf16 | powersgd | topk
     topk_ratio: float = 0.1
@@ -136,7 +137,8 @@ class TrainerConfig:
     checkpoint_every: int = 0
     eval_every: int = 0
     profile: bool = False
-    compile: bool = False
+    compile: bool = False  # torch.compile each block (graph-level fusion)
+    compile_backend: str = "auto"  # auto: torchair's NPU backend on Ascend, inductor elsewhere
     deterministic: bool = True
     fault: FaultConfig = field(default_factory=FaultConfig)
 
@@ -160,6 +162,24 @@ class LaunchConfig:
 
 
 @dataclass
+class PlannerConfig:
+    """Assumptions of the planner (orchestrator/planner.py); not part of a trial's config hash."""
+    headroom: float = 0.9  # plan to fill at most this fraction of chip.memory_gb
+    # runtime reserve per device, GiB: CANN/CUDA context, HCCL/NCCL workspaces, caching-allocator
+    # slack (an estimate, not a measurement) ...
+    runtime_overhead_gb: float = 1.5
+    overhead_fraction: float = 0.05  # ... plus this fraction of states + activations (fragmentation)
+    # achieved fraction of peak (model FLOPs) and of nominal link bandwidth; uncalibrated guesses
+    # until `python -m orchestrator.plan --calibrate` fits them to finished trials in MLflow
+    compute_efficiency: float = 0.5
+    comm_efficiency: float = 0.7
+    collective_latency_us: float = 30.0  # fixed cost of one collective or send (alpha-beta model)
+    dp_overlap: float = 0.8  # fraction of DP gradient traffic hidden behind backward (comm.overlap)
+    grad_accum_fp32: bool = False  # fp32 gradient buffers for 16-bit params (Megatron's main_grad)
+    ddp_bucket_view: bool = False  # DDP gradient_as_bucket_view; False: buckets copy every gradient
+
+
+@dataclass
 class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
@@ -172,6 +192,7 @@ class Config:
     # not in the defaults list: `+chip=NAME` selects a preset; without it chip.name stays
     # missing and the local accelerator is detected (keys set with chip.KEY=... still apply)
     chip: ChipConfig = field(default_factory=ChipConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
 
 GROUPS: Dict[str, Any] = {

@@ -5,12 +5,13 @@ fails after launch ends with its classified status and reason in MLflow.
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Dict, Iterable, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import chips, tracking
+from orchestrator import chips, planner, tracking
 from orchestrator.launch import TrialFailed, launch_local
 from orchestrator.validate import layout, validate
 
@@ -59,12 +60,29 @@ def trial_tags(cfg: DictConfig) -> Dict[str, str]:
     return tags
 
 
-def record_infeasible(cfg: DictConfig, overrides: Iterable[str], errors: List[str]) -> str:
-    """A sweep point that cannot run still gets a run, with status infeasible and the reasons."""
+def record_infeasible(cfg: DictConfig, overrides: Iterable[str], errors: List[str], status: str = "infeasible",
+                      preflight: Optional[Dict[str, Any]] = None) -> str:
+    """A trial that cannot run still gets a run, with its status and the reasons; not launched."""
     tags = trial_tags(cfg) if not OmegaConf.is_missing(cfg.chip, "name") else {}
     uri, run_id = tracking.start_run(cfg, overrides, tags)
-    tracking.end_run(uri, run_id, "infeasible", "; ".join(errors))
+    if preflight is not None:
+        _log_preflight(uri, run_id, preflight)
+    tracking.end_run(uri, run_id, status, "; ".join(errors))
     return run_id
+
+
+def _log_preflight(uri: str, run_id: str, report: Dict[str, Any]) -> None:
+    tracking.client(uri).log_text(run_id, json.dumps(report, indent=1, default=str), "preflight.json")
+    step = report.get("step") or {}
+    tracking.log_metrics(uri, run_id, {
+        "planned_mem_gb": report.get("planned_mem_gb"),
+        "planned_step_time_s": step.get("step_time_s"),
+        "planned_mfu": step.get("mfu"),
+        "planned_bubble_fraction": step.get("bubble_fraction"),
+        "comm_share": step.get("comm_share"),
+        "op_coverage": (report.get("ops") or {}).get("coverage"),
+        "op_replacement_rate": (report.get("ops") or {}).get("replacement_rate"),
+    })
 
 
 def run(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None) -> Dict[str, Any]:
@@ -75,14 +93,27 @@ def run(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = No
     prepare(cfg)
     overrides = list(overrides)
     lay = layout(cfg)
+    # the planner, before any device is used: memory fit and operator coverage; the trainer runs
+    # with the decompositions it maps (e.g. model.attn_impl=decomposed where fused attention is
+    # missing on the chip), and the recorded config says so
+    report = planner.preflight(cfg)
+    for key, value in report["model_overrides"].items():
+        cfg.model[key] = value
+    result: Dict[str, Any] = {"status": "running", "run_id": None, "preflight": report}
+    if not report["feasible"]:
+        status = "unsupported_op" if report["ops"].get("unresolved") else "infeasible"
+        result.update(status=status, reason="; ".join(report["reasons"]))
+        if cfg.tracking.enabled:
+            result["run_id"] = record_infeasible(cfg, overrides, report["reasons"], status, report)
+        return result
     spec = build_spec(cfg)
-    result: Dict[str, Any] = {"status": "running", "run_id": None}
     reporter = None
     if cfg.tracking.enabled:
         uri, run_id = tracking.start_run(cfg, overrides, trial_tags(cfg))
         result["run_id"] = run_id
         reporter = tracking.MlflowReporter(uri, run_id, int(cfg.trainer.steps), progress)
         tracking.log_metrics(uri, run_id, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "world_size": lay.world_size})
+        _log_preflight(uri, run_id, report)
     log.info("trial %s on %s%s: %s, %d process(es)", result["run_id"] or "(untracked)", cfg.chip.name,
              " (emulated)" if cfg.chip.emulate else "", f"dp{lay.dp}tp{lay.tp}pp{lay.pp}", lay.world_size)
     try:

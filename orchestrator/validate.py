@@ -35,7 +35,7 @@ CHOICES = {
 POSITIVE = (
     "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.d_ff", "model.max_seq_len",
     "trainer.steps", "trainer.global_batch", "trainer.micro_batch", "trainer.seq_len", "trainer.lr",
-    "trainer.log_every", "comm.bucket_mb", "comm.buffsize_mb", "comm.timeout_s", "parallel.tp", "parallel.pp",
+    "trainer.log_every", "comm.bucket_mb", "comm.buffsize_mb", "comm.nccl_buffsize_mb", "comm.timeout_s", "parallel.tp", "parallel.pp",
     "parallel.microbatches", "parallel.virtual_stages", "launch.nnodes", "precision.init_scale",
     "precision.growth_interval",
 )
@@ -152,7 +152,7 @@ def validate(cfg: DictConfig) -> List[str]:
             err(f"parallel.virtual_stages={p.virtual_stages}: parallel.schedule=interleaved_1f1b needs at least "
                 f"2 stages per rank")
         stages = lay.pp * (2 if p.schedule == "zbv" else p.virtual_stages if p.schedule == "interleaved_1f1b" else 1)
-        if stages > m.n_layers:
+        if stages > m.n_layers >= lay.pp:
             err(f"parallel.pp={lay.pp} x stages per rank = {stages} stages exceeds model.n_layers={m.n_layers}")
         if m.tie_embeddings:
             err(f"model.tie_embeddings=true with parallel.pp={lay.pp}: the embedding and the head sit on "

@@ -105,3 +105,39 @@ def test_nan_in_fp32_ends_the_trial_nonfinite(compose_cfg, mlflow_uri):
     assert run.data.tags["trial.status"] == "nonfinite" and run.info.status == "FAILED"
     # the steps before the fault were logged, all finite
     assert all(math.isfinite(m.value) for m in metric_history(mlflow_uri, run.info.run_id, "loss"))
+
+
+def test_preflight_is_recorded_beside_the_measurement(compose_cfg, mlflow_uri):
+    cfg, result = _run(compose_cfg, mlflow_uri, [])
+    assert result["status"] == "finished"
+    run = search_runs(mlflow_uri)[0]
+    m = run.data.metrics
+    assert m["planned_mem_gb"] > 0 and m["peak_mem_gb"] > 0 and 0 < m["op_coverage"] <= 1
+    from mlflow.tracking import MlflowClient
+
+    files = {a.path for a in MlflowClient(mlflow_uri).list_artifacts(run.info.run_id)}
+    assert "preflight.json" in files
+
+
+def test_an_infeasible_trial_is_recorded_and_not_launched(tmp_path):
+    """llama2_70b on one emulated 910B: the planner refuses it before any process starts."""
+    uri = "sqlite:///" + str(tmp_path / "runs.db")
+    proc = run_cli(["+chip=ascend910b", "chip.emulate=true", "model=llama2_70b", "trainer.seq_len=256"],
+                   cwd=tmp_path, MLFLOW_TRACKING_URI=uri)
+    assert proc.returncode == 1
+    run = search_runs(uri)[0]
+    assert run.data.tags["trial.status"] == "infeasible"
+    assert "exceeds ascend910b's 64 GB" in run.data.tags["trial.reason"]
+    assert "trial " not in proc.stdout  # the launch line never came: no worker was started
+    assert run.data.params["model.attn_impl"] == "decomposed"  # planned with the mapped attention
+
+
+def test_a_chip_without_fused_attention_runs_the_decomposition(compose_cfg, mlflow_uri):
+    cfg = compose_cfg([*COMMON, "+chip=cpu", f"tracking.uri={mlflow_uri}"])
+    cfg.chip.unsupported_ops = ["aten::_scaled_dot_product_flash_attention*"]
+    cfg.chip.decompositions = {"aten::_scaled_dot_product_": "model.attn_impl=decomposed"}
+    result = trial.run(cfg, [], progress=False)
+    assert result["status"] == "finished", result.get("reason")
+    run = search_runs(mlflow_uri)[0]
+    assert run.data.params["model.attn_impl"] == "decomposed"
+    assert run.data.metrics["op_replacement_rate"] > 0

@@ -24,7 +24,7 @@ from trainers import comm as comm_mod
 from trainers import data as data_mod
 from trainers.model import GPT, ModelArgs, RMSNorm, count_params, cross_entropy
 from trainers.parallel import (ParallelArgs, apply_fsdp, bubble_fraction, build_mesh, build_stages, clip_grads_,
-                               param_checksum)
+                               acc_dtype, param_checksum)
 from trainers.precision import DynamicLossScaler, PrecisionArgs, autocast
 from trainers.report import NullReporter, Reporter
 from trainers.runtime import (RuntimeArgs, apply_env, compile_backend, init_process_group, peak_memory_gb,
@@ -378,7 +378,7 @@ def count_params_global(margs: ModelArgs) -> int:
 
 def _gather(value: float, device: torch.device, world: int) -> List[float]:
     """One number from every rank, in rank order."""
-    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    mine = torch.tensor([value], dtype=acc_dtype(device), device=device)
     if not dist.is_initialized() or world == 1:
         return [float(mine)]
     out = [torch.zeros_like(mine) for _ in range(world)]

@@ -130,10 +130,9 @@ def capture_ops(model: Dict[str, Any], seq_len: int = 16, batch: int = 1, comput
     built and run on the meta device. ``compute_dtype`` bf16/fp16 runs the model in that dtype
     (autocast has no meta backend), which records the same casts (``_to_copy``) and 16-bit
     kernels autocast would use. Activation checkpointing is left out: it re-runs the same
-    forward operators, so the operator set is the same with or without it."""
-    # Activation checkpointing re-runs the same forward ops inside backward, so it adds no
-    # operator; and torch-function modes do not reach the recompute (the autograd engine does
-    # not carry them), so the capture runs the model without it.
+    forward operators, so the operator set is the same with or without it (and the autograd
+    engine does not carry torch-function modes into the recompute, where attention would
+    escape the interception)."""
     args = ModelArgs.from_dict({**model, "activation_checkpointing": False})
     seq_len = max(1, min(int(seq_len), args.max_seq_len))
     with torch.device("meta"):

@@ -209,6 +209,12 @@ def replication(t: torch.Tensor, mesh: Mesh) -> int:
     return max(1, (mesh.dp * mesh.tp) // shard)
 
 
+def acc_dtype(device: torch.device) -> torch.dtype:
+    """float64 for reductions of many squares, except on Ascend NPUs, whose vector units and HCCL
+    collectives are built for 32-bit and narrower types."""
+    return torch.float32 if device.type == "npu" else torch.float64
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -229,10 +235,10 @@ def global_grad_norm(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> 
     each value counted once: sum over ranks of (local squares / copies), one all-reduce."""
     grads = [(p, p.grad) for p in params if p.grad is not None]
     device = grads[0][1].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=acc_dtype(device), device=device)
     for _, g in grads:
         g = _materialise_partial(g)
-        sq = local(g).double().pow(2).sum()
+        sq = local(g).to(total.dtype).pow(2).sum()
         total += sq / (replication(g, mesh) if mesh is not None else 1)
     if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
@@ -257,9 +263,9 @@ def param_checksum(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> fl
     """Sum of every parameter value of the whole model, each counted once (as the grad norm):
     equal before and after a step exactly when the step changed nothing."""
     device = params[0].device if params else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    total = torch.zeros((), dtype=acc_dtype(device), device=device)
     for p in params:
-        total += local(p).double().sum() / (replication(p, mesh) if mesh is not None else 1)
+        total += local(p).to(total.dtype).sum() / (replication(p, mesh) if mesh is not None else 1)
     if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return float(total)

@@ -1,0 +1,193 @@
+"""python -m orchestrator.plan [--devices N] [--json] [--calibrate] [--probe FILE] [overrides ...]
+
+Plans a trial without running it, from the same overrides as ``python -m orchestrator``:
+
+    python -m orchestrator.plan +chip=ascend910b model=llama2_13b parallel=tp8pp4 trainer.global_batch=64
+    python -m orchestrator.plan +chip=ascend910b model=llama2_13b trainer.global_batch=64 --devices 32 --json
+
+prints the memory breakdown per rank, whether it fits, the pipeline bubble, the communication
+share, the estimated step time and MFU, for the composed layout or, with ``--devices N``, for
+every DP/TP/PP layout of N devices, fastest first. ``--calibrate`` first fits the efficiency
+factors to the finished trials of this chip in MLflow (``tracking.uri``/``tracking.experiment``).
+``--probe FILE`` instead runs every operator of the model on this machine's device and writes the
+chip's operator table (``unsupported_ops``) to FILE.
+
+Exit codes: 0 planned; 2 the overrides or the config are broken (one ``error:`` line each).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrator import planner
+
+EXIT_CONFIG = 2
+
+
+def compose(overrides: List[str]) -> DictConfig:
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from orchestrator import conf_dir
+    from orchestrator.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            return hydra_compose("config", overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _error_line(err: BaseException) -> str:
+    line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    cause = err.__cause__
+    if cause is not None and str(cause).strip():
+        line = line.rstrip(".") + ": " + str(cause).strip().splitlines()[0]
+    return line
+
+
+def _fail(lines: List[str]) -> None:
+    for line in lines:
+        print(f"error: {line}", file=sys.stderr)
+    sys.exit(EXIT_CONFIG)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def _gb(x: float) -> str:
+    return f"{x:.1f}" if x >= 10 else f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+
+def table(plans: List[planner.LayoutPlan]) -> str:
+    head = (f"{'layout':<14}{'mb':>5} {'schedule':<17}{'params':>8}{'grads':>8}{'optim':>8}{'act':>8}{'buf':>8}"
+            f"{'total':>8}{'fits':>6}{'bubble':>8}{'comm':>7}{'step_s':>10}{'mfu':>7}")
+    rows = [head, "-" * len(head)]
+    for p in plans:
+        s, g = p.shape, p.memory.gb()
+        sched = s.schedule if s.pp > 1 else "-"
+        if s.schedule == "interleaved_1f1b" and s.pp > 1:
+            sched += f"(v={s.virtual_stages})"
+        name = f"dp{s.dp}tp{s.tp}pp{s.pp}" + ("+sp" if s.sequence_parallel else "") + ("+fsdp" if s.fsdp else "")
+        mem = "".join(f"{_gb(g[k]):>8}" for k in ("params", "grads", "optimizer", "activations", "buffers", "total"))
+        rows.append(f"{name:<14}{s.microbatches:>5} {sched:<17}{mem}"
+                    f"{'yes' if p.memory.fits else 'no':>6}{_pct(p.step.bubble_fraction):>8}"
+                    f"{_pct(p.step.comm_share):>7}{p.step.step_time_s:>10.3f}{_pct(p.step.mfu):>7}")
+    return "\n".join(rows)
+
+
+def header(cfg: DictConfig, cov: planner.OpCoverage, devices: Optional[int], calibrated: str) -> str:
+    c, t = cfg.chip, cfg.trainer
+    mapped = ", ".join(f"model.{k}={v}" for k, v in cov.model_overrides.items())
+    lines = [
+        f"{cfg.model.name} on {c.name}: {float(c.memory_gb):g} GB x headroom {float(cfg.planner.headroom):g}"
+        f" = {float(c.memory_gb) * float(cfg.planner.headroom):.1f} GB usable per device"
+        + (f", {devices} devices" if devices else "")
+        + f"; global batch {t.global_batch} x {t.seq_len} tokens; {cfg.precision.name}"
+        f" (params {cfg.precision.param_dtype}, compute {cfg.precision.compute_dtype})",
+        f"operators: {cov.n_total}, coverage {_pct(cov.coverage)}, replacement rate {_pct(cov.replacement_rate)}"
+        f" (mapped {cov.count('mapped')}, custom {cov.count('custom')})" + (f"; planned with {mapped}" if mapped else ""),
+        f"efficiency: compute {float(cfg.planner.compute_efficiency):.3g}, comm {float(cfg.planner.comm_efficiency):.3g},"
+        f" latency {float(cfg.planner.collective_latency_us):.3g} us per collective"
+        f" ({calibrated}); memory in GiB per device, buffers include the runtime reserve",
+    ]
+    if cov.unresolved:
+        lines.append("operators without support or mapping: " + ", ".join(cov.unresolved))
+    return "\n".join(lines)
+
+
+def calibrate_into(cfg: DictConfig) -> str:
+    """Fit the efficiencies to MLflow's finished trials of this chip; say what was done."""
+    from orchestrator import tracking
+
+    uri = tracking.resolve_uri(cfg.tracking)
+    trials = planner.measured_trials(uri, cfg.tracking.experiment, cfg.chip.name)
+    if not trials:
+        return f"defaults: no finished trial of chip={cfg.chip.name} in experiment {cfg.tracking.experiment!r}"
+    cal = planner.calibrate(trials, cfg.planner)
+    cfg.planner.compute_efficiency, cfg.planner.comm_efficiency = cal.compute_efficiency, cal.comm_efficiency
+    cfg.planner.collective_latency_us = cal.collective_latency_us
+    rho = "n/a" if cal.spearman_rho is None else f"{cal.spearman_rho:.2f}"
+    return (f"{cal.n_fitted} factor(s) fitted to {cal.n_runs} trial(s): median |error| {_pct(cal.median_abs_rel_error)},"
+            f" Spearman rho {rho}")
+
+
+def probe(cfg: DictConfig, path: str) -> Dict[str, Dict[str, str]]:
+    """Run the model's operators on this machine's device; write the chip's operator table."""
+    import yaml
+
+    from trainers.ops import probe_ops
+
+    chip = cfg.chip
+    device = "cpu" if chip.emulate else str(chip.device_type)
+    plugin = None if chip.emulate else chip.torch_plugin
+    results = probe_ops(device, OmegaConf.to_container(cfg.model, resolve=True), plugin,
+                        cfg.precision.compute_dtype)
+    missing = sorted(op for op, r in results.items() if r["status"] in ("fallback", "error"))
+    body = {"unsupported_ops": missing, "probe": results}
+    with open(path, "w") as f:
+        f.write(f"# operator probe of model={cfg.model.name} on {device} (chip={chip.name}, "
+                f"compute {cfg.precision.compute_dtype}); unsupported_ops goes into conf/chip/{chip.name}.yaml\n")
+        yaml.safe_dump(body, f, sort_keys=False, allow_unicode=True)
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.plan", description=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m orchestrator")
+    ap.add_argument("--devices", type=int, default=None, help="plan every DP/TP/PP layout of N devices")
+    ap.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
+    ap.add_argument("--calibrate", action="store_true", help="fit efficiency factors to finished MLflow trials")
+    ap.add_argument("--probe", metavar="FILE", help="probe the operators on this machine's device, write FILE")
+    args = ap.parse_intermixed_args(argv)
+    if args.devices is not None and args.devices < 1:
+        _fail([f"--devices={args.devices}: must be positive"])
+    try:
+        cfg = planner.resolved(compose(args.overrides))
+    except Exception as err:  # noqa: BLE001 - Hydra's composition errors: bad input
+        _fail([_error_line(err)])
+
+    if args.probe:
+        results = probe(cfg, args.probe)
+        bad = {op: r for op, r in results.items() if r["status"] in ("fallback", "error")}
+        print(f"probed {len(results)} operators on {cfg.chip.name}: {len(bad)} unsupported; wrote {args.probe}")
+        return
+
+    calibrated = calibrate_into(cfg) if args.calibrate else "defaults from planner.*; --calibrate fits them"
+    if args.calibrate and args.json:
+        print(calibrated, file=sys.stderr)
+    cov = planner.op_coverage(cfg.model, int(cfg.trainer.seq_len), cfg.precision.compute_dtype, cfg.chip)
+    skipped: Dict[str, List[str]] = {}
+    if args.devices is None:
+        errors = planner.planning_errors(cfg)
+        if errors:
+            _fail(errors)
+        plans = [planner.plan_layout(planner.with_model_overrides(cfg, cov.model_overrides))]
+    else:
+        plans, skipped = planner.plan_devices(cfg, args.devices)
+        if not plans:
+            _fail(sorted({e for errs in skipped.values() for e in errs})
+                  or [f"--devices={args.devices}: no DP/TP/PP layout of {cfg.model.name} fits that many devices"])
+    if args.json:
+        print(json.dumps([p.contract() for p in plans], indent=1))
+        return
+    print(header(cfg, cov, args.devices, calibrated))
+    print()
+    print(table(plans))
+    if skipped:
+        print(f"\nskipped {len(skipped)} layout(s):")
+        for name, errors in skipped.items():
+            print(f"  {name}: {'; '.join(errors)}")
+
+
+if __name__ == "__main__":
+    main()

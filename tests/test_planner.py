@@ -1,0 +1,545 @@
+"""The planner against published figures, its operator coverage on meta tensors, calibration
+from MLflow, and the `python -m orchestrator.plan` CLI.
+
+Memory figures are in bytes here (the seed article's GB are 10**9 bytes); the planner reports GiB.
+"""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from orchestrator import conf_dir, planner, tracking, trial
+from orchestrator.config import Config
+from orchestrator.planner import ModelShape, ParallelShape
+from tests.conftest import ROOT, cli_env
+from trainers.ops import FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, capture_ops, probe_ops
+
+CONTRACT = {"dp", "tp", "pp", "microbatches", "schedule", "memory_gb", "fits", "bubble_fraction", "comm_share",
+            "step_time_s", "mfu"}
+MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "buffers", "total"}
+DEFAULTS = OmegaConf.structured(Config)
+
+
+def preset(group: str, name: str):
+    return OmegaConf.merge(DEFAULTS[group], OmegaConf.load(conf_dir() / group / f"{name}.yaml"))
+
+
+def precision(**kw):
+    return OmegaConf.merge(DEFAULTS.precision, kw)
+
+
+def planner_cfg(**kw):
+    return OmegaConf.merge(DEFAULTS.planner, kw)
+
+
+def model(**kw) -> ModelShape:
+    base = dict(vocab_size=51200, d_model=1024, n_layers=4, n_heads=16, d_ff=4096, max_seq_len=2048,
+                norm="layernorm", mlp="gelu", pos_emb="rope", tie_embeddings=True, attn_impl="fused")
+    return ModelShape.of({**base, **kw})
+
+
+def states(mp) -> float:
+    return mp.params + mp.grads + mp.optimizer
+
+
+# --- the seed article's figures --------------------------------------------------------------
+
+def test_seed_100b_params_in_fp32_are_400gb_and_adam_states_3x():
+    """Seed, section 百亿模型实战 (M_params = N x 4 bytes): "100B 参数按 FP32 存储需要 400GB";
+    gradients "同样占 400GB 量级"; Adam "FP32 主权重副本、一阶动量和二阶动量，合计约为参数的 3 倍"
+    (12 bytes against 4, its quiz Q6), and everything "轻松超过 1TB"."""
+    n = 100e9
+    p, g, o = planner.state_bytes(precision(param_dtype="fp32"), DEFAULTS.planner)
+    assert n * p == 400e9 and n * g == 400e9
+    assert n * (p + g + o) > 1e12
+    # mixed precision: 16-bit parameters, FP32 master copy + two FP32 moments
+    p16, g16, o16 = planner.state_bytes(precision(param_dtype="bf16", master_weights_fp32=True), DEFAULTS.planner)
+    assert (p16, g16, o16) == (2, 2, 12) and o16 == 3 * 4
+    # pure FP32 needs no separate master copy: the moments alone, twice the parameters
+    assert o == 2 * p
+
+
+def test_seed_7b_fp32_training_about_140gb():
+    """Seed interview notes (004): "7B FP32 训练约需 7*20=140GB" for parameters + gradients +
+    optimizer + activations. Its 20 bytes/param count an FP32 master copy even in FP32 training
+    (4 + 4 + 12); torch's AdamW keeps none, so the states are 16 bytes/param and the
+    activations of Llama 2 7B at micro-batch 1 and its own 4096-token context supply the rest:
+    the planner lands within 10% of 140 GB (151 GB without the runtime reserve)."""
+    m = ModelShape.of(preset("model", "llama2_7b"))
+    s = ParallelShape(dp=1, tp=1, pp=1, microbatches=1, micro_batch=1, seq_len=4096)
+    mp = planner.memory_plan(m, s, precision(), DEFAULTS.comm, preset("chip", "ascend910b"), DEFAULTS.planner)
+    assert states(mp) == pytest.approx(16 * m.n_params)
+    assert states(mp) / 1e9 == pytest.approx(107.8, abs=0.1)
+    assert mp.total - mp.overhead == pytest.approx(140e9, rel=0.10)
+    assert not mp.fits  # and far from one 64 GB NPU
+
+
+def test_allreduce_volume_7b_64_ranks_fp16_is_about_28gb():
+    """Seed interview notes (004): 2 x model_size x (N-1)/N, "7B 模型 64 卡 Ring AllReduce 通信量
+    ~28GB/step": S = 7e9 x 2 bytes = 14 GB, 2 x 14 x 63/64 = 27.6 GB."""
+    assert planner.allreduce_bytes(14e9, 64) == pytest.approx(27.5625e9)
+    assert planner.allreduce_bytes(14e9, 64) / 1e9 == pytest.approx(28, rel=0.02)
+    # through the model: Llama 2 7B (6.74B), FP32 gradients sent as fp16 over 64 DDP ranks
+    m = ModelShape.of(preset("model", "llama2_7b"))
+    s = ParallelShape(dp=64, tp=1, pp=1, microbatches=1, micro_batch=1, seq_len=4096)
+    comm = OmegaConf.merge(DEFAULTS.comm, {"compression": "fp16"})
+    sent = planner.dp_traffic_bytes(m, s, m.n_params, precision(), comm, DEFAULTS.planner)
+    assert sent == pytest.approx(2 * (2 * m.n_params) * 63 / 64)
+    assert sent / 1e9 == pytest.approx(28, rel=0.06)
+    assert planner.allreduce_bytes(14e9, 1) == 0.0
+
+
+@pytest.mark.parametrize("schedule,v,expected", [
+    ("1f1b", 1, 3 / 19),  # seed (004): "4 stage 16 micro-batch：气泡率 = 3/19 ≈ 16%"
+    ("gpipe", 1, 3 / 19),  # same idle time as 1F1B (Narayanan et al. 2021), more memory
+    ("interleaved_1f1b", 2, 3 / 35),  # (p-1)/(v m + p - 1)
+    ("zbv", 2, 3 / 35),  # upper bound: interleaved form with the V's 2 stages per rank
+])
+def test_bubble_fraction(schedule, v, expected):
+    s = ParallelShape(dp=1, tp=1, pp=4, microbatches=16, micro_batch=1, seq_len=128, schedule=schedule,
+                      virtual_stages=v)
+    assert planner.bubble_fraction(s) == pytest.approx(expected)
+    assert planner.bubble_fraction(ParallelShape(1, 1, 1, 16, 1, 128)) == 0.0
+
+
+# --- Megatron's theoretical memory and Korthikanti et al. 2022 --------------------------------
+
+# Korthikanti et al. 2022, Table 3: GPT-3 175B (96 heads, h 12288, 96 layers, t 8, p 8) and
+# 530B (128 heads, h 20480, 105 layers, t 8, p 35); s = 2048, vocabulary 51200 (50257 padded to a
+# multiple of 128 x t, as Megatron does), tied embeddings, LayerNorm, GELU with f = 4h.
+PUBLISHED = [dict(name="gpt3_175b", a=96, h=12288, L=96, t=8, p=8),
+             dict(name="mt_nlg_530b", a=128, h=20480, L=105, t=8, p=35)]
+
+
+def megatron_weight_and_optimizer_bytes(h: int, L: int, V: int, t: int, p: int) -> float:
+    """megatron/training/theoretical_memory_usage.py, compute_weight_and_optimizer_memory, for
+    this case (no GQA, no MoE, LayerNorm = 2 h per norm, no distributed optimizer): per layer
+    2 h (f + 2) + 2 h^2 (1 + 1) = 12 h^2 + 4 h; block = L x that + the final LayerNorm; most
+    loaded shard = (block / p + embedding) / t; 18 bytes per parameter."""
+    layer = 2 * h * (4 * h + 2) + 2 * h * h * 2
+    block = L * layer + 2 * h
+    return (block / p + V * h) / t * 18
+
+
+def megatron_activation_bytes(s: int, b: int, h: int, L: int, t: int, p: int, m: int) -> float:
+    """compute_activation_memory (sequence parallel + selective recompute), first stage:
+    s b h (18 + 4 f/h) L + 8 s b p + s b h p, x min(1, m/p), / t; no output layer when p > 1."""
+    act = s * b * h * (18 + 4 * 4) * L + 8 * s * b * p + s * b * h * p
+    return act * min(1, m / p) / t
+
+
+@pytest.mark.parametrize("cfg", PUBLISHED, ids=[c["name"] for c in PUBLISHED])
+def test_weights_and_optimizer_match_megatron(cfg):
+    m = model(d_model=cfg["h"], n_heads=cfg["a"], n_layers=cfg["L"], d_ff=4 * cfg["h"], tie_embeddings=True)
+    s = ParallelShape(dp=1, tp=cfg["t"], pp=cfg["p"], microbatches=cfg["p"] * 2, micro_batch=1, seq_len=2048,
+                      sequence_parallel=True)
+    # Megatron's 18 bytes: bf16 params 2 + fp32 main grads 4 + fp32 master and moments 12
+    prec = precision(param_dtype="bf16", compute_dtype="bf16", master_weights_fp32=True)
+    mp = planner.memory_plan(m, s, prec, DEFAULTS.comm, preset("chip", "a100"), planner_cfg(grad_accum_fp32=True))
+    expected = megatron_weight_and_optimizer_bytes(cfg["h"], cfg["L"], 51200, cfg["t"], cfg["p"])
+    # Megatron also divides the LayerNorm weights by t; TP replicates them and the planner counts
+    # them whole (for 175B: 12 layers x 4 h x (1 - 1/8) params more, 1.8e-4 relative)
+    norms = cfg["L"] // cfg["p"] * 4 * cfg["h"] * (1 - 1 / cfg["t"]) * 18
+    assert states(mp) == pytest.approx(expected + norms, rel=1e-5)
+    assert states(mp) == pytest.approx(expected, rel=5e-4)
+    if cfg["name"] == "gpt3_175b":
+        assert m.n_params / 1e9 == pytest.approx(174.6, abs=0.1)  # "175B"
+
+
+@pytest.mark.parametrize("cfg", PUBLISHED, ids=[c["name"] for c in PUBLISHED])
+def test_activations_match_megatron_and_korthikanti(cfg):
+    s_len, b = 2048, 1
+    m = model(d_model=cfg["h"], n_heads=cfg["a"], n_layers=cfg["L"], d_ff=4 * cfg["h"])
+    s = ParallelShape(dp=1, tp=cfg["t"], pp=cfg["p"], microbatches=2 * cfg["p"], micro_batch=b, seq_len=s_len,
+                      sequence_parallel=True)
+    prec = precision(param_dtype="bf16", compute_dtype="bf16")
+    sbh = s_len * b * cfg["h"]
+    # Table 2, "sequence parallelism + selective activation recomputation": 34 s b h / t per layer
+    assert planner.layer_activation_bytes(m, s_len, b, cfg["t"], True, 2, True) == pytest.approx(34 * sbh / cfg["t"])
+    mp = planner.memory_plan(m, s, prec, DEFAULTS.comm, preset("chip", "a100"), DEFAULTS.planner)
+    assert mp.rank == 0  # 1F1B: the first stage holds p microbatches, the most
+    # the same terms; only the token ids (8 s b p) are kept whole on every TP rank, not / t
+    expected = megatron_activation_bytes(s_len, b, cfg["h"], cfg["L"], cfg["t"], cfg["p"], s.microbatches)
+    ids = 8 * s_len * b * cfg["p"] * (1 - 1 / cfg["t"])
+    assert mp.activations == pytest.approx(expected + ids, rel=1e-9)
+
+
+def test_korthikanti_table2_rows():
+    """Per layer, 16-bit: s b h (34 + 5 a s/h) alone; s b h (10 + 24/t + 5 a s/(h t)) with TP;
+    s b h (34 + 5 a s/h)/t with TP + SP; 2 s b h with full recomputation. For GPT-3 175B the
+    paper points out 5 a s/h = 80 > 34 (sec. 4.1)."""
+    s_len, b, h, a, t = 2048, 1, 12288, 96, 8
+    m = model(d_model=h, n_heads=a, n_layers=96, d_ff=4 * h)
+    sbh, scores = s_len * b * h, 5 * a * s_len / h
+    assert scores == 80
+    layer = planner.layer_activation_bytes
+    assert layer(m, s_len, b, 1, False, 2, False) == pytest.approx(sbh * (34 + scores))
+    assert layer(m, s_len, b, t, False, 2, False) == pytest.approx(sbh * (10 + 24 / t + scores / t))
+    assert layer(m, s_len, b, t, True, 2, False) == pytest.approx(sbh * (34 + scores) / t)
+    assert planner.checkpointed_layer_bytes(m, s_len, b, 1, False, 2) == pytest.approx(2 * sbh)
+    assert planner.checkpointed_layer_bytes(m, s_len, b, t, True, 2) == pytest.approx(2 * sbh / t)
+    assert layer(m, s_len, b, 1, False, 4, True) == pytest.approx(2 * 34 * sbh)  # FP32 activations: twice
+
+
+def test_interleaved_in_flight_matches_megatron_penalty():
+    """Megatron: the first stage of the interleaved schedule holds p (1 + (p-1)/(p v))
+    microbatches' worth of activations; 1F1B holds min(m, p - rank); GPipe all m."""
+    p, v, m = 8, 3, 64
+    s = ParallelShape(1, 1, p, m, 1, 128, schedule="interleaved_1f1b", virtual_stages=v)
+    assert planner.inflight_microbatches(s, 0) == pytest.approx(p * (1 + (p - 1) / (p * v)))
+    s1 = ParallelShape(1, 1, p, m, 1, 128, schedule="1f1b")
+    assert [planner.inflight_microbatches(s1, r) for r in range(p)] == [8, 7, 6, 5, 4, 3, 2, 1]
+    assert planner.inflight_microbatches(ParallelShape(1, 1, p, 4, 1, 128), 0) == 4  # fewer mbs than stages
+    assert planner.inflight_microbatches(ParallelShape(1, 1, p, m, 1, 128, schedule="gpipe"), 5) == m
+
+
+def test_fsdp_divides_states_by_dp_as_zero3():
+    """ZeRO (Rajbhandari et al. 2020, Figure 1): mixed-precision Adam keeps 16 bytes/param,
+    7.5B params on 64 GPUs: 120 GB per GPU replicated, 1.9 GB with P_os+g+p (= FSDP full shard)."""
+    m = ModelShape.of(preset("model", "llama2_7b"))
+    prec = precision(param_dtype="bf16", compute_dtype="bf16", master_weights_fp32=True)
+    chip = preset("chip", "a100")
+    ddp = planner.memory_plan(m, ParallelShape(64, 1, 1, 1, 1, 4096), prec, DEFAULTS.comm, chip, DEFAULTS.planner)
+    fsdp = planner.memory_plan(m, ParallelShape(64, 1, 1, 1, 1, 4096, fsdp=True), prec, DEFAULTS.comm, chip,
+                               DEFAULTS.planner)
+    assert states(ddp) == pytest.approx(16 * m.n_params)
+    assert states(fsdp) == pytest.approx(states(ddp) / 64)
+    assert 7.5e9 * 16 / 1e9 == 120 and 7.5e9 * 16 / 64 / 1e9 == pytest.approx(1.9, abs=0.05)
+    assert fsdp.activations == pytest.approx(ddp.activations)  # FSDP shards states, not activations
+
+
+def test_parallelism_divides_what_it_shards():
+    m = ModelShape.of(preset("model", "llama2_13b"))
+    chip, prec = preset("chip", "ascend910b"), precision(compute_dtype="bf16")
+    base = planner.memory_plan(m, ParallelShape(1, 1, 1, 8, 1, 4096), prec, DEFAULTS.comm, chip, DEFAULTS.planner)
+    tp8 = planner.memory_plan(m, ParallelShape(1, 8, 1, 8, 1, 4096), prec, DEFAULTS.comm, chip, DEFAULTS.planner)
+    sp8 = planner.memory_plan(m, ParallelShape(1, 8, 1, 8, 1, 4096, sequence_parallel=True), prec, DEFAULTS.comm,
+                              chip, DEFAULTS.planner)
+    pp4 = planner.memory_plan(m, ParallelShape(1, 1, 4, 8, 1, 4096), prec, DEFAULTS.comm, chip, DEFAULTS.planner)
+    # TP shards every matrix and the vocabulary; only the norms stay whole
+    assert states(tp8) == pytest.approx(states(base) / 8, rel=0.001)
+    assert sp8.activations < tp8.activations < base.activations
+    # 1F1B: the first of 4 stages holds a quarter of the layers but 4 microbatches of them
+    assert states(pp4) == pytest.approx(states(base) / 4, rel=0.05)
+    layers_only = planner.layer_activation_bytes(m, 4096, 1, 1, False, 2, True) * m.layers
+    assert pp4.activations == pytest.approx(layers_only, rel=0.01)
+
+
+def test_activation_checkpointing_and_decomposed_attention():
+    kw = dict(d_model=4096, n_heads=32, n_layers=32, d_ff=11008, mlp="swiglu", norm="rmsnorm",
+              tie_embeddings=False, vocab_size=32000)
+    chip, prec, s = preset("chip", "ascend910b"), precision(compute_dtype="bf16"), ParallelShape(1, 1, 1, 1, 1, 4096)
+    plain = planner.memory_plan(model(**kw), s, prec, DEFAULTS.comm, chip, DEFAULTS.planner)
+    ckpt = planner.memory_plan(model(**kw, activation_checkpointing=True), s, prec, DEFAULTS.comm, chip,
+                               DEFAULTS.planner)
+    dec = planner.memory_plan(model(**kw, attn_impl="decomposed"), s, prec, DEFAULTS.comm, chip, DEFAULTS.planner)
+    sbh = 4096 * 4096
+    head = 2 * 4 * 4096 * 32000 + 2 * sbh  # FP32 log-probs and their gradient + the head's input
+    one_layer = planner.layer_activation_bytes(model(**kw), 4096, 1, 1, False, 2, True)
+    embedding = 8 * 4096 + sbh  # token ids and the embedding's dropout mask
+    assert ckpt.activations == pytest.approx(32 * 2 * sbh + one_layer + head + embedding)
+    # the decomposed attention keeps the a s^2 score matrices: 5 a s / h = 160 s b h per layer
+    assert dec.activations - plain.activations == pytest.approx(32 * sbh * 160)
+
+
+def test_comm_buffers_per_communicator_and_ddp_buckets():
+    """HCCL: each communicator holds 2 x HCCL_BUFFSIZE (CANN env-var reference, HCCL_BUFFSIZE)."""
+    m, chip = ModelShape.of(preset("model", "llama2_7b")), preset("chip", "ascend910b")
+    comm = OmegaConf.merge(DEFAULTS.comm, {"buffsize_mb": 200})
+    s = ParallelShape(dp=2, tp=2, pp=2, microbatches=4, micro_batch=1, seq_len=2048)
+    mp = planner.memory_plan(m, s, precision(), comm, chip, DEFAULTS.planner)
+    # world + dp + tp groups, and one pipeline neighbour on either end stage
+    assert mp.communicators == 4
+    assert mp.comm_buffers == 4 * 2 * 200 * 2**20
+    # DDP without gradient_as_bucket_view keeps a copy of every gradient in its buckets
+    assert mp.dp_buffers == pytest.approx(mp.grads)
+    view = planner.memory_plan(m, s, precision(), comm, chip, planner_cfg(ddp_bucket_view=True))
+    assert view.dp_buffers == 2 * 25 * 2**20
+    gloo = planner.memory_plan(m, s, precision(), comm, preset("chip", "cpu"), DEFAULTS.planner)
+    assert gloo.comm_buffers == 0
+
+
+# --- step time ----------------------------------------------------------------------------------
+
+def test_step_time_terms():
+    m = ModelShape.of(preset("model", "llama2_7b"))
+    chip, prec = preset("chip", "ascend910b"), precision(compute_dtype="bf16")
+    one = ParallelShape(1, 1, 1, 4, 1, 4096)
+    est = planner.step_time(m, one, prec, DEFAULTS.comm, chip, planner_cfg(compute_efficiency=0.5))
+    tokens = 4 * 4096
+    flops = (6 * m.n_params + 12 * 32 * 4096 * 4096) * tokens  # PaLM appendix B
+    assert est.model_flops == pytest.approx(flops)
+    assert est.step_time_s == pytest.approx(flops / (320e12 * 0.5))
+    assert est.mfu == pytest.approx(0.5) and est.comm_share == 0
+    # 8 data-parallel ranks in one node: the all-reduce runs over HCCS (392 GB/s); 16 cross nodes (25 GB/s)
+    pl = planner_cfg(dp_overlap=0.0)
+    intra = planner.step_parts(m, ParallelShape(8, 1, 1, 1, 1, 4096), prec, DEFAULTS.comm, chip, pl)
+    inter = planner.step_parts(m, ParallelShape(16, 1, 1, 1, 1, 4096), prec, DEFAULTS.comm, chip, pl)
+    assert intra.dp_comm_s == pytest.approx(planner.allreduce_bytes(4 * m.n_params, 8) / 392e9)
+    assert inter.dp_comm_s == pytest.approx(planner.allreduce_bytes(4 * m.n_params, 16) / 25e9)
+    # overlap hides DP traffic behind the backward pass, never more than it
+    hidden = planner.combine(planner.step_parts(m, ParallelShape(16, 1, 1, 1, 1, 4096), prec, DEFAULTS.comm,
+                                                chip, planner_cfg(dp_overlap=0.8)), 0.5, 0.7)
+    exposed = planner.combine(inter, 0.5, 0.7)
+    assert hidden.step_time_s < exposed.step_time_s
+    assert hidden.dp_exposed_s >= 0.2 * hidden.dp_comm_s - 1e-12
+    # Megatron TP: 4 all-reduces of s b h per layer and microbatch over the intra-node link
+    tp = planner.step_parts(m, ParallelShape(1, 8, 1, 4, 1, 4096), prec, DEFAULTS.comm, chip, pl)
+    assert tp.tp_comm_s == pytest.approx(4 * planner.allreduce_bytes(4096 * 4096 * 2, 8) * 32 * 4 / 392e9)
+    # a pipeline's bubble stretches compute: (p-1)/(m+p-1)
+    pp = planner.combine(planner.step_parts(m, ParallelShape(1, 1, 4, 16, 1, 4096), prec, DEFAULTS.comm, chip,
+                                            pl), 1.0, 1.0)
+    assert pp.compute_s == pytest.approx(16 * flops / 4 / (4 * 320e12) / (1 - 3 / 19))
+
+
+def test_calibration_recovers_known_efficiencies_and_reports_its_error():
+    """Step times generated with compute efficiency 0.37, link efficiency 0.55 and 80 us per
+    collective over layouts that communicate: the fit finds all three back, its own error on
+    them is ~0 and Spearman's rho of the ranking is 1."""
+    cfgs = []
+    for dp, tp, pp in [(1, 1, 1), (8, 1, 1), (16, 1, 1), (2, 8, 1), (1, 8, 2), (4, 2, 2)]:
+        c = OmegaConf.structured(Config)
+        c.chip = preset("chip", "ascend910b")
+        c.model = preset("model", "llama2_7b")
+        c.precision = preset("precision", "bf16")
+        c.trainer.global_batch, c.trainer.micro_batch, c.trainer.seq_len = 64, 1, 2048
+        c.parallel.dp, c.parallel.tp, c.parallel.pp, c.parallel.microbatches = dp, tp, pp, 8
+        cfgs.append(c)
+    truth = [planner.combine(planner.trial_parts(c), 0.37, 0.55, 80e-6).step_time_s for c in cfgs]
+    trials = [planner.MeasuredTrial(f"run{i}", c, t) for i, (c, t) in enumerate(zip(cfgs, truth))]
+    cal = planner.calibrate(trials, DEFAULTS.planner)
+    assert cal.n_fitted == 3 and cal.n_runs == 6
+    assert cal.compute_efficiency == pytest.approx(0.37, rel=0.01)
+    assert cal.comm_efficiency == pytest.approx(0.55, rel=0.02)
+    assert cal.collective_latency_us == pytest.approx(80, rel=0.05)
+    assert cal.median_abs_rel_error < 0.005 and cal.spearman_rho == pytest.approx(1.0)
+    # off by a factor: the error is reported, not hidden
+    worse = planner.calibrate([planner.MeasuredTrial(t.run_id, t.cfg, t.step_time_s * (1.3 if i % 2 else 1.0))
+                               for i, t in enumerate(trials)], DEFAULTS.planner)
+    assert worse.median_abs_rel_error > 0.05
+
+
+def test_spearman_rho():
+    assert planner.spearman_rho([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert planner.spearman_rho([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert planner.spearman_rho([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
+    assert planner.spearman_rho([1], [1]) is None
+
+
+# --- operator coverage on meta tensors -------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["gpt_tiny", "llama2_7b"])
+def test_op_coverage_against_ascend910b_on_meta(compose_cfg, name):
+    cfg = compose_cfg(["+chip=ascend910b", f"model={name}", "precision=bf16"])
+    body = OmegaConf.to_container(cfg.model)
+    cap = capture_ops(body, seq_len=cfg.trainer.seq_len, compute_dtype="bf16")
+    assert cap.param_devices == ["meta"]  # built and run without storage
+    assert cap.n_params == ModelShape.of(cfg.model).n_params  # the analytic count is the model's
+    assert {FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD} <= set(cap.names)
+    assert {"aten::mm", "aten::embedding_dense_backward", "aten::nll_loss_backward"} <= set(cap.names)
+    assert "aten::bmm" not in cap.names  # the fused kernel is one op, not meta's math fallback
+    cov = planner.op_coverage(cfg.model, cfg.trainer.seq_len, "bf16", cfg.chip)
+    mapped = [o.op for o in cov.ops if o.plan == "mapped"]
+    assert mapped == [FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD]
+    assert cov.model_overrides == {"attn_impl": "decomposed"} and cov.unresolved == []
+    assert cov.n_total == len(cap.names)
+    assert cov.coverage == pytest.approx((cov.n_total - 2) / cov.n_total)
+    assert cov.replacement_rate == pytest.approx(2 / cov.n_total)
+    if name == "llama2_7b":
+        assert {"aten::silu", "aten::silu_backward", "aten::rsqrt"} <= set(cap.names)  # SwiGLU, RMSNorm
+
+
+def test_llama2_70b_ops_are_captured_on_meta():
+    body = OmegaConf.to_container(preset("model", "llama2_70b"))
+    cap = capture_ops(body, seq_len=4096, compute_dtype="bf16")
+    assert cap.param_devices == ["meta"] and cap.n_params == pytest.approx(68.98e9, rel=0.001)
+    assert "aten::_to_copy" in cap.names  # the fp32 norm and loss inside a bf16 model
+
+
+def test_a_chip_without_fused_attention_gets_it_mapped_and_still_trains(compose_cfg):
+    from trainers.loop import train
+
+    cfg = compose_cfg(["+chip=cpu", "trainer=smoke", "trainer.steps=8", "trainer.global_batch=8",
+                       "trainer.micro_batch=4", "trainer.seq_len=32", "data.num_workers=1"])
+    cfg.chip.unsupported_ops = ["aten::_scaled_dot_product_flash_attention*"]
+    cfg.chip.decompositions = {"aten::_scaled_dot_product_": "model.attn_impl=decomposed"}
+    report = planner.preflight(cfg)
+    json.dumps(report)  # preflight.json
+    assert report["feasible"] and report["reasons"] == []
+    assert report["model_overrides"] == {"attn_impl": "decomposed"}
+    plans = {o["op"]: o for o in report["ops"]["ops"]}
+    assert plans[FUSED_ATTENTION]["plan"] == "mapped" and plans[FUSED_ATTENTION]["via"] == "model.attn_impl=decomposed"
+    assert report["ops"]["n_mapped"] == 2 and report["ops"]["coverage"] < 1.0
+    for key, value in report["model_overrides"].items():
+        cfg.model[key] = value
+    spec = trial.build_spec(trial.prepare(cfg))
+    assert spec["model"]["attn_impl"] == "decomposed"
+    losses = train(spec)["losses"]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+
+def test_an_op_without_mapping_needs_a_custom_kernel(compose_cfg):
+    cfg = compose_cfg(["+chip=cpu"])
+    cfg.chip.unsupported_ops = ["aten::gelu*"]
+    cov = planner.op_coverage(cfg.model, 64, "fp32", cfg.chip)
+    assert cov.unresolved == ["aten::gelu", "aten::gelu_backward"]
+    assert cov.count("custom") == 2 and cov.replacement_rate == pytest.approx(2 / cov.n_total)
+    report = planner.preflight(cfg)
+    assert not report["feasible"]
+    assert report["reasons"] == ["operators without support or mapping on cpu: aten::gelu, aten::gelu_backward"]
+
+
+def test_a_decomposition_that_needs_a_missing_op_is_unresolved(compose_cfg):
+    """The decomposed attention runs bmm + softmax: a chip without bmm cannot use it."""
+    cfg = compose_cfg(["+chip=cpu"])
+    cfg.chip.unsupported_ops = ["aten::_scaled_dot_product_flash_attention*", "aten::bmm"]
+    cfg.chip.decompositions = {"aten::_scaled_dot_product_*": "model.attn_impl=decomposed"}  # a glob works too
+    cov = planner.op_coverage(cfg.model, 64, "fp32", cfg.chip)
+    assert cov.model_overrides == {"attn_impl": "decomposed"}
+    assert cov.unresolved == ["aten::bmm"]
+
+
+def test_probe_grades_ops_on_a_real_device():
+    """On the CPU every op of the model runs natively, fused attention through its CPU flash
+    kernel; the meta backend has no fused attention kernel, so the probe reports the math path."""
+    llama = dict(norm="rmsnorm", mlp="swiglu", pos_emb="rope", tie_embeddings=False, n_heads=8, n_kv_heads=2)
+    cpu = probe_ops("cpu", llama)
+    assert {r["status"] for r in cpu.values()} <= {"native", "unused"}
+    assert cpu[FUSED_ATTENTION]["status"] == "native" and "flash" in cpu[FUSED_ATTENTION]["detail"]
+    assert set(capture_ops(llama).names) <= set(cpu)
+    meta = probe_ops("meta", llama)
+    assert meta[FUSED_ATTENTION]["status"] == "fallback"
+    assert meta[FUSED_ATTENTION_BACKWARD]["status"] == "fallback"
+    assert "math path" in meta[FUSED_ATTENTION]["detail"]
+
+
+# --- preflight, layouts, calibration from MLflow -----------------------------------------------
+
+def test_preflight_rejects_what_does_not_fit(compose_cfg):
+    cfg = compose_cfg(["+chip=ascend910b", "model=llama2_70b", "precision=bf16", "trainer.micro_batch=1",
+                       "trainer.global_batch=8", "trainer.seq_len=4096"])
+    report = planner.preflight(cfg)
+    json.dumps(report)
+    assert not report["feasible"] and not report["fits"]
+    assert report["reasons"][0].startswith("memory: ")
+    assert "per rank exceeds ascend910b's 64 GB x 0.9 headroom" in report["reasons"][0]
+    assert report["memory_gb"]["total"] > 64
+    assert set(report["memory_gb"]) == MEMORY_KEYS
+
+
+def test_planning_ignores_what_the_trainer_cannot_run_yet(compose_cfg):
+    cfg = compose_cfg(["+chip=ascend910b", "model=llama2_13b", "parallel=tp8pp4", "trainer.global_batch=64",
+                       "parallel.microbatches=16"])
+    assert planner.planning_errors(cfg) == []  # 32 NPUs on 4 nodes: a plan, not a launch
+    broken = compose_cfg(["+chip=ascend910b", "model=llama2_13b", "parallel.tp=3"])
+    assert "parallel.tp=3 does not divide model.n_heads=40" in planner.planning_errors(broken)
+
+
+def test_layouts_of_32_devices(compose_cfg):
+    cfg = compose_cfg(["+chip=ascend910b", "model=llama2_13b"])
+    got = planner.layouts(32, cfg.model, cfg.chip)
+    assert all(dp * tp * pp == 32 for dp, tp, pp in got)
+    assert {tp for _, tp, _ in got} == {1, 2, 4, 8}  # powers of two, within a node of 8
+    assert {pp for _, _, pp in got} == {1, 2, 4, 8}  # divide 40 layers and 32 devices
+    assert (1, 8, 4) in got and (32, 1, 1) in got
+
+
+def test_calibration_from_a_measured_trial_in_mlflow(compose_cfg, mlflow_uri):
+    """A real gpt_tiny run, measured here and recorded as trial.run records it, is read back from
+    MLflow, its config rebuilt from the run's params, and the model fitted to it."""
+    from trainers.loop import train
+
+    cfg = compose_cfg(["+chip=cpu", "trainer=smoke", "trainer.steps=6", "trainer.seq_len=32", "data=synthetic",
+                       "data.num_workers=0", f"tracking.uri={mlflow_uri}"])
+    summary = train(trial.build_spec(trial.prepare(cfg)))
+    uri, run_id = tracking.start_run(cfg, [], trial.trial_tags(cfg))
+    tracking.log_metrics(uri, run_id, {"dp": 1, "tp": 1, "pp": 1, "world_size": 1})
+    tracking.log_metrics(uri, run_id, {k: v for k, v in summary.items() if isinstance(v, (int, float))})
+    tracking.end_run(uri, run_id, "finished")
+    emulated = compose_cfg(["+chip=ascend910b", "chip.emulate=true", f"tracking.uri={mlflow_uri}"])
+    uri2, other = tracking.start_run(emulated, [], trial.trial_tags(emulated))
+    tracking.log_metrics(uri2, other, {"step_time_median_s": 1.0})
+    tracking.end_run(uri2, other, "finished")
+
+    trials = planner.measured_trials(uri, "default", chip="cpu")
+    assert [t.run_id for t in trials] == [run_id]  # the emulated run measures the host, not the chip
+    rebuilt = trials[0].cfg
+    assert rebuilt.model.name == "gpt_tiny" and rebuilt.trainer.seq_len == 32 and rebuilt.chip.name == "cpu"
+    assert planner.config_from_params({"model.name": "x", "config_hash": "ab"}).model.name == "x"
+    cal = planner.calibrate(trials, cfg.planner)
+    assert cal.n_runs == 1 and cal.n_fitted == 1  # one process: nothing to fit communication to
+    assert cal.median_abs_rel_error < 0.02
+    predicted = planner.combine(planner.trial_parts(rebuilt), cal.compute_efficiency, cal.comm_efficiency)
+    assert predicted.step_time_s == pytest.approx(summary["step_time_median_s"], rel=0.02)
+
+
+# --- the CLI --------------------------------------------------------------------------------------
+
+def plan_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "orchestrator.plan", *args], cwd=ROOT, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_plans_every_layout_of_32_devices_as_json():
+    proc = plan_cli("+chip=ascend910b", "model=llama2_13b", "--devices", "32", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)
+    assert len(rows) >= 3
+    for row in rows:
+        assert set(row) == CONTRACT and set(row["memory_gb"]) == MEMORY_KEYS
+        assert row["dp"] * row["tp"] * row["pp"] == 32
+        assert isinstance(row["fits"], bool) and 0 <= row["bubble_fraction"] < 1 and 0 <= row["comm_share"] < 1
+        parts = sum(v for k, v in row["memory_gb"].items() if k != "total")
+        assert row["memory_gb"]["total"] == pytest.approx(parts)
+    times = [r["step_time_s"] for r in rows]
+    assert times == sorted(times)
+    assert any(r["fits"] for r in rows) and not all(r["fits"] for r in rows)
+
+
+def test_cli_plans_the_composed_layout_as_a_table():
+    proc = plan_cli("+chip=ascend910b", "model=llama2_7b", "parallel=tp8pp4", "parallel.microbatches=8",
+                    "trainer.global_batch=32", "model.tie_embeddings=false")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "dp1tp8pp4" in proc.stdout and "coverage" in proc.stdout and "replacement rate" in proc.stdout
+    assert "model.attn_impl=decomposed" in proc.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["parallel.tpp=2"], "parallel.tpp"),
+    (["model=llama2_13", "--devices", "8"], "model/llama2_13"),
+    (["+chip=ascend910b", "model=llama2_13b", "parallel.tp=3"], "parallel.tp=3 does not divide model.n_heads=40"),
+])
+def test_cli_bad_overrides_exit_2_with_one_line_each(args, needle):
+    proc = plan_cli(*args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines)
+    assert any(needle in line for line in lines) and proc.stdout == ""
+
+
+def test_cli_probe_writes_the_chip_table(tmp_path):
+    out = tmp_path / "ops.yaml"
+    proc = plan_cli("+chip=cpu", "model=llama2_7b", "--probe", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = OmegaConf.load(out)
+    assert list(table.unsupported_ops) == []
+    assert table.probe[FUSED_ATTENTION].status == "native"
+
+
+def test_chip_operator_tables_make_valid_mlflow_param_names():
+    """Every config key becomes an MLflow param name (tracking.flatten): a `*` in a
+    chip.decompositions key would make every trial on that chip fail to start its run."""
+    import re
+
+    from orchestrator import chips
+
+    for name in chips.preset_names():
+        keys = tracking.flatten({"chip": OmegaConf.to_container(chips.load_preset(name))})
+        bad = [k for k in keys if not re.fullmatch(r"[\w\-. :/]+", k)]
+        assert bad == [], (name, bad)
