@@ -31,6 +31,13 @@ def _report(result: dict) -> None:
         log.error("run %s ended %s: %s", result["run_id"], result["status"], result.get("reason", ""))
 
 
+def mark_started() -> None:
+    """Composition is over: a later exit 1 is a failure, not a broken config (the Ray launcher
+    runs the task itself in other processes, so main() never runs in this one)."""
+    global _task_started
+    _task_started = True
+
+
 @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
 def main(cfg: DictConfig):
     global _task_started
@@ -38,8 +45,10 @@ def main(cfg: DictConfig):
     hc = HydraConfig.get()
     overrides = list(hc.overrides.task)
     multirun = hc.mode == RunMode.MULTIRUN
+    # under hydra/launcher=ray every trial goes to Ray; otherwise the trial's size decides
+    launcher = "ray" if hc.runtime.choices.get("hydra/launcher") == "ray" else None
     try:
-        result = trial.run(cfg, overrides)
+        result = trial.run(cfg, overrides, launcher=launcher)
     except trial.ConfigError as err:
         for line in err.errors:
             print(f"error: {line}", file=sys.stderr)

@@ -63,6 +63,7 @@ class PrecisionConfig:
     master_weights_fp32: bool = True
     fp32_ops: List[str] = field(default_factory=lambda: ["softmax", "layer_norm", "rms_norm"])
     monitor: int = 0  # per-layer statistics every k steps; 0 = off
+    max_consecutive_skips: int = 25  # overflowed steps in a row before the trial ends nonfinite
 
 
 @dataclass
@@ -113,8 +114,9 @@ class DataConfig:
 class FaultConfig:
     kill_rank: int = -1  # chaos drill: this rank dies ...
     at_step: int = -1  # ... at this step (once per trial); -1 = off
-    nan_layer: int = -1
-    nan_at_step: int = -1
+    nan_layer: int = -1  # chaos: this block's output gets a NaN (inject=nan), or x1e5 through fp16 (overflow)
+    nan_at_step: int = -1  # ... at this step
+    inject: str = "nan"  # nan | overflow
 
 
 @dataclass
@@ -134,9 +136,13 @@ class TrainerConfig:
     grad_clip: float = 1.0
     warmup_steps: int = 3  # first steps excluded from step-time summaries
     log_every: int = 10  # rank 0 sends per-step metrics in batches of this many steps
-    checkpoint_every: int = 0
+    checkpoint_every: int = 0  # steps between checkpoints (0: none)
+    checkpoint_dir: Optional[str] = None  # default: ./checkpoints/<MLflow run id>; shared by all ranks
     eval_every: int = 0
-    profile: bool = False
+    profile: bool = False  # torch.profiler over a window of steps
+    profile_start: int = 3
+    profile_steps: int = 3
+    profile_dir: Optional[str] = None  # default: ./profiles/<MLflow run id>
     compile: bool = False  # torch.compile each block (graph-level fusion)
     compile_backend: str = "auto"  # auto: torchair's NPU backend on Ascend, inductor elsewhere
     deterministic: bool = True
@@ -152,13 +158,26 @@ class TrackingConfig:
 
 
 @dataclass
+class RayLaunchConfig:
+    """Where trials go when they go to Ray (``hydra/launcher=ray``, a trial larger than one node,
+    or a cluster address): not part of a trial's config hash."""
+    address: Optional[str] = None  # join this cluster (default $RAY_ADDRESS); none: start a local one
+    num_cpus: Optional[int] = None  # CPUs of a local cluster; default: all of this machine's
+    dashboard: bool = True  # the local cluster's dashboard (and state API), on 127.0.0.1 only
+    # reserve whole nodes for each trial (all of a node's chip resource), so no other trial's
+    # processes share a node with it: for sweeps whose step times are compared
+    exclusive: bool = False
+
+
+@dataclass
 class LaunchConfig:
     world_size: int = -1  # -1: dp * tp * pp
-    nnodes: int = 1
+    nnodes: int = 1  # nodes a trial spans (at least); more than one runs on a Ray cluster
     max_failures: int = 0  # worker-group restarts before the trial is failed
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port
     start_method: str = "spawn"
+    ray: RayLaunchConfig = field(default_factory=RayLaunchConfig)
 
 
 @dataclass

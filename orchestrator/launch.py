@@ -82,3 +82,9 @@ def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
         reason = _failure_reason(err)
         raise TrialFailed(classify(reason), reason) from None
     return (results or {}).get(0) or {}
+
+
+def trial_nodes(world_size: int, devices_per_node: int, nnodes: int) -> int:
+    """Nodes a trial spans: ``launch.nnodes``, or more when its processes outnumber the devices
+    of ``launch.nnodes`` nodes (``parallel=tp8pp4`` on 8-device nodes spans 4)."""
+    return max(int(nnodes), -(-int(world_size) // max(1, int(devices_per_node))))

@@ -125,10 +125,11 @@ class MlflowReporter:
         self._client = None
         self._bar = None
         self._last: Dict[str, Any] = {}
+        self._logged_up_to: Optional[int] = None  # highest step already in MLflow (a resume)
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_client"], state["_bar"] = None, None
+        state["_client"], state["_bar"], state["_logged_up_to"] = None, None, None
         return state
 
     def _mlflow(self):
@@ -153,6 +154,12 @@ class MlflowReporter:
     def log_steps(self, rows: List[Dict[str, Any]]) -> None:
         from mlflow.entities import Metric
 
+        if self._logged_up_to is None:
+            # a worker group restarted from a checkpoint recomputes steps that were already
+            # logged before the crash: keep exactly one value per step
+            history = self._mlflow().get_metric_history(self.run_id, "loss")
+            self._logged_up_to = max((m.step for m in history), default=-1)
+        rows = [r for r in rows if int(r["step"]) > self._logged_up_to]
         now = int(time.time() * 1000)
         metrics = [Metric(k, float(v), now, int(r["step"])) for r in rows for k, v in r.items()
                    if k != "step" and v is not None]
@@ -160,6 +167,20 @@ class MlflowReporter:
             self._mlflow().log_batch(self.run_id, metrics=metrics[i : i + 1000])
         if rows:
             self._last = rows[-1]
+            self._logged_up_to = int(rows[-1]["step"])
+
+    def log_table(self, step: int, name: str, rows: List[Dict[str, Any]]) -> None:
+        """One JSON artifact per sampled step (not thousands of metric keys)."""
+        self._mlflow().log_text(self.run_id, json.dumps(rows), f"{name}/step_{step:06d}.json")
+
+    def log_artifact(self, path: str, folder: str = "") -> None:
+        self._mlflow().log_artifact(self.run_id, path, folder or None)
+
+    def checkpoint(self, step: int, path: str) -> None:
+        """The newest complete checkpoint, by reference (checkpoints of large models do not
+        belong in an artifact store)."""
+        self._mlflow().set_tag(self.run_id, "checkpoint.latest", path)
+        self._mlflow().set_tag(self.run_id, "checkpoint.step", str(step))
 
     def finish(self, summary: Dict[str, Any]) -> None:
         if self._bar is not None:

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Dict, Iterable, List, Optional
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import chips, planner, tracking
+from orchestrator import chips, planner, ray_launch, sweep, tracking
 from orchestrator.launch import TrialFailed, launch_local
-from orchestrator.validate import layout, validate
+from orchestrator.validate import Layout, layout, validate
 
 log = logging.getLogger("orchestrator")
 
@@ -29,7 +32,7 @@ class ConfigError(ValueError):
 def prepare(cfg: DictConfig) -> DictConfig:
     """Resolve the chip and check every rule; raise ConfigError listing all broken ones."""
     chips.resolve(cfg)
-    errors = validate(cfg)
+    errors = validate(cfg) + ray_launch.launch_errors(cfg)
     if errors:
         raise ConfigError(errors)
     return cfg
@@ -64,6 +67,7 @@ def record_infeasible(cfg: DictConfig, overrides: Iterable[str], errors: List[st
                       preflight: Optional[Dict[str, Any]] = None) -> str:
     """A trial that cannot run still gets a run, with its status and the reasons; not launched."""
     tags = trial_tags(cfg) if not OmegaConf.is_missing(cfg.chip, "name") else {}
+    tags.update(sweep.child_tags(cfg.tracking))
     uri, run_id = tracking.start_run(cfg, overrides, tags)
     if preflight is not None:
         _log_preflight(uri, run_id, preflight)
@@ -79,14 +83,31 @@ def _log_preflight(uri: str, run_id: str, report: Dict[str, Any]) -> None:
         "planned_step_time_s": step.get("step_time_s"),
         "planned_mfu": step.get("mfu"),
         "planned_bubble_fraction": step.get("bubble_fraction"),
-        "comm_share": step.get("comm_share"),
+        "planned_comm_share": step.get("comm_share"),
         "op_coverage": (report.get("ops") or {}).get("coverage"),
         "op_replacement_rate": (report.get("ops") or {}).get("replacement_rate"),
     })
 
 
-def run(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None) -> Dict[str, Any]:
-    """Validate, launch and record one trial; returns a result dict with status and run id.
+@dataclass
+class Trial:
+    """A trial past validation and preflight: recorded in MLflow (a run with status running) and
+    ready to launch with ``spec``, or already ended before any launch (``spec`` is None, the
+    result says infeasible or unsupported_op)."""
+    cfg: DictConfig
+    overrides: List[str]
+    layout: Layout
+    result: Dict[str, Any]
+    spec: Optional[Dict[str, Any]] = None
+    reporter: Optional[tracking.MlflowReporter] = None
+
+
+# a launch path: (spec, reporter, world_size, launch section) -> rank 0's summary; raises TrialFailed
+LaunchFn = Callable[[Dict[str, Any], Any, int, Dict[str, Any]], Dict[str, Any]]
+
+
+def start(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None) -> Trial:
+    """Validate, preflight and record one trial, up to the launch; both launch paths share it.
 
     Raises ConfigError (before anything is launched or recorded) for a broken config.
     """
@@ -100,24 +121,39 @@ def run(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = No
     for key, value in report["model_overrides"].items():
         cfg.model[key] = value
     result: Dict[str, Any] = {"status": "running", "run_id": None, "preflight": report}
+    trial = Trial(cfg, overrides, lay, result)
     if not report["feasible"]:
         status = "unsupported_op" if report["ops"].get("unresolved") else "infeasible"
         result.update(status=status, reason="; ".join(report["reasons"]))
         if cfg.tracking.enabled:
             result["run_id"] = record_infeasible(cfg, overrides, report["reasons"], status, report)
-        return result
+        return trial
     spec = build_spec(cfg)
     reporter = None
     if cfg.tracking.enabled:
-        uri, run_id = tracking.start_run(cfg, overrides, trial_tags(cfg))
+        uri, run_id = tracking.start_run(cfg, overrides, {**trial_tags(cfg), **sweep.child_tags(cfg.tracking)})
         result["run_id"] = run_id
         reporter = tracking.MlflowReporter(uri, run_id, int(cfg.trainer.steps), progress)
         tracking.log_metrics(uri, run_id, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "world_size": lay.world_size})
         _log_preflight(uri, run_id, report)
+    if cfg.trainer.checkpoint_every > 0 and not spec["trainer"].get("checkpoint_dir"):
+        # one folder per trial, shared by its ranks and by its restarted worker groups
+        spec["trainer"]["checkpoint_dir"] = str(Path("checkpoints").resolve() / (result["run_id"] or uuid.uuid4().hex))
+    if cfg.trainer.profile and not spec["trainer"].get("profile_dir"):
+        spec["trainer"]["profile_dir"] = str(Path("profiles").resolve() / (result["run_id"] or uuid.uuid4().hex))
+    trial.spec, trial.reporter = spec, reporter
+    return trial
+
+
+def finish(trial: Trial, launch: LaunchFn) -> Dict[str, Any]:
+    """Launch a started trial with ``launch`` (local or Ray) and record how it ended."""
+    cfg, lay, result, reporter = trial.cfg, trial.layout, trial.result, trial.reporter
+    if trial.spec is None:
+        return result
     log.info("trial %s on %s%s: %s, %d process(es)", result["run_id"] or "(untracked)", cfg.chip.name,
              " (emulated)" if cfg.chip.emulate else "", f"dp{lay.dp}tp{lay.tp}pp{lay.pp}", lay.world_size)
     try:
-        summary = launch_local(spec, reporter, lay.world_size, OmegaConf.to_container(cfg.launch))
+        summary = launch(trial.spec, reporter, lay.world_size, OmegaConf.to_container(cfg.launch, resolve=True))
         result.update(status=tracking.STATUS_OK, summary=summary)
     except TrialFailed as err:
         result.update(status=err.status, reason=err.reason)
@@ -129,3 +165,24 @@ def run(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = No
     if reporter is not None:
         tracking.end_run(reporter.uri, reporter.run_id, result["status"], result.get("reason", ""))
     return result
+
+
+def launch_path(cfg: DictConfig, launcher: Optional[str] = None) -> LaunchFn:
+    """The local elastic launcher for a trial on this node; Ray when ``launcher="ray"``
+    (``hydra/launcher=ray``), when the trial spans nodes, or when a cluster address is set."""
+    if launcher == "ray" or (launcher is None and ray_launch.goes_to_ray(cfg)):
+        return ray_launch.trial_launcher(cfg)
+    return launch_local
+
+
+def run(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None,
+        launcher: Optional[str] = None) -> Dict[str, Any]:
+    """Validate, launch and record one trial; returns a result dict with status and run id.
+
+    ``launcher``: None chooses (see :func:`launch_path`), "local" or "ray" forces a path.
+    Raises ConfigError (before anything is launched or recorded) for a broken config.
+    """
+    trial = start(cfg, overrides, progress)
+    if trial.spec is None:
+        return trial.result
+    return finish(trial, launch_path(cfg, launcher))

@@ -13,6 +13,7 @@ from typing import List
 from omegaconf import DictConfig
 
 from orchestrator import chips
+from orchestrator.launch import trial_nodes
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -31,6 +32,7 @@ CHOICES = {
     "data.name": ("stdlib", "memmap", "synthetic"),
     "trainer.optimizer": ("adamw",),
     "launch.start_method": ("spawn", "forkserver", "fork"),
+    "trainer.fault.inject": ("nan", "overflow"),
 }
 POSITIVE = (
     "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.d_ff", "model.max_seq_len",
@@ -162,8 +164,6 @@ def validate(cfg: DictConfig) -> List[str]:
             f"parallel.tp=1 and parallel.dp_shard=ddp")
     if p.sequence_parallel and lay.tp == 1:
         err("parallel.sequence_parallel=true needs parallel.tp>1")
-    if int(cfg.launch.nnodes) > 1:
-        err(f"launch.nnodes={cfg.launch.nnodes}: multi-node trials need the Ray launcher, not yet supported")
 
     # the chip
     for key in ("precision.param_dtype", "precision.compute_dtype"):
@@ -172,8 +172,11 @@ def validate(cfg: DictConfig) -> List[str]:
     why = chips.availability_error(chip)
     if why:
         err(why)
-    per_node = -(-lay.world_size // int(cfg.launch.nnodes))
-    visible = chips.visible_devices(chip)
+    # a trial on one node must fit this node's devices; one larger than a node spans
+    # ceil(world / chip.devices_per_node) nodes of a Ray cluster, chip.devices_per_node on each
+    nodes = trial_nodes(lay.world_size, int(chip.devices_per_node), int(cfg.launch.nnodes))
+    per_node = -(-lay.world_size // nodes)
+    visible = chips.visible_devices(chip) if nodes == 1 else None
     cap = visible if visible is not None else int(chip.devices_per_node)
     if not why and per_node > cap:
         err(f"parallel: dp*tp*pp={lay.world_size} needs {per_node} devices per node, chip={chip.name} has {cap} "
@@ -196,4 +199,7 @@ def validate(cfg: DictConfig) -> List[str]:
         err(f"model.vocab_size={m.vocab_size}: data=stdlib is byte-level and needs at least 256")
     if not cfg.tracking.experiment:
         err("tracking.experiment: must not be empty")
+    ray = cfg.launch.get("ray")
+    if ray is not None and ray.num_cpus is not None and int(ray.num_cpus) < 1:
+        err(f"launch.ray.num_cpus={ray.num_cpus}: must be positive (or null: all of this machine's CPUs)")
     return errors

@@ -21,6 +21,8 @@ def test_wheel_install_runs_from_another_directory(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
     assert (target / "orchestrator" / "conf" / "chip" / "ascend910b.yaml").is_file()
+    assert (target / "hydra_plugins" / "ray_launcher" / "ray_launcher.py").is_file()
+    assert not (target / "hydra_plugins" / "__init__.py").exists()  # a namespace package, as Hydra expects
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     env["PYTHONPATH"] = str(target)  # the installed copy only, not the repository
     proc = subprocess.run([sys.executable, "-m", "orchestrator", "+chip=cpu", "trainer=smoke", "trainer.steps=3"],
@@ -31,3 +33,7 @@ def test_wheel_install_runs_from_another_directory(tmp_path):
     cfg = subprocess.run([sys.executable, "-m", "orchestrator", "+chip=ascend910b", "parallel=tp8pp4", "--cfg", "job"],
                          cwd=work, env=env, capture_output=True, text=True, timeout=120)
     assert cfg.returncode == 0 and "tp: 8" in cfg.stdout and "name: ascend910b" in cfg.stdout
+    launcher = subprocess.run([sys.executable, "-m", "orchestrator", "hydra/launcher=ray", "--cfg", "hydra",
+                               "--package", "hydra.launcher"], cwd=work, env=env, capture_output=True, text=True,
+                              timeout=120)
+    assert launcher.returncode == 0 and "hydra_plugins.ray_launcher.ray_launcher.RayLauncher" in launcher.stdout

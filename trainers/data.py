@@ -10,17 +10,18 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+from trainers.args import SectionArgs
 
 
 @dataclass
-class DataArgs:
+class DataArgs(SectionArgs):
     name: str = "stdlib"
     path: Optional[str] = None
     cache_dir: Optional[str] = None
@@ -29,10 +30,6 @@ class DataArgs:
     num_workers: int = 1
     prefetch_factor: int = 4
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "DataArgs":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def default_cache_dir() -> Path:

@@ -12,7 +12,7 @@ import os
 import signal
 import statistics
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -20,12 +20,16 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from trainers import checkpoint as ckpt
 from trainers import comm as comm_mod
 from trainers import data as data_mod
+from trainers.args import SectionArgs
 from trainers.model import GPT, ModelArgs, RMSNorm, count_params, cross_entropy
+from trainers.monitor import FiniteTracker, PrecisionMonitor
 from trainers.parallel import (ParallelArgs, apply_fsdp, bubble_fraction, build_mesh, build_stages, clip_grads_,
                                acc_dtype, param_checksum)
 from trainers.precision import DynamicLossScaler, PrecisionArgs, autocast
+from trainers.profiling import Profiler
 from trainers.report import NullReporter, Reporter
 from trainers.runtime import (RuntimeArgs, apply_env, compile_backend, init_process_group, peak_memory_gb,
                               select_device, synchronize)
@@ -36,15 +40,16 @@ class NonFiniteError(RuntimeError):
 
 
 @dataclass
-class FaultArgs:
+class FaultArgs(SectionArgs):
     kill_rank: int = -1
     at_step: int = -1
     nan_layer: int = -1
     nan_at_step: int = -1
+    inject: str = "nan"
 
 
 @dataclass
-class TrainArgs:
+class TrainArgs(SectionArgs):
     steps: int = 50
     global_batch: int = 16
     micro_batch: int = 8
@@ -62,15 +67,19 @@ class TrainArgs:
     deterministic: bool = True
     compile: bool = False
     compile_backend: str = "auto"
+    profile: bool = False
+    profile_start: int = 3
+    profile_steps: int = 3
+    profile_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    checkpoint_dir: Optional[str] = None
     fault: FaultArgs = field(default_factory=FaultArgs)
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainArgs":
-        names = {f.name for f in fields(cls)}
-        kw = {k: v for k, v in d.items() if k in names}
-        kw["fault"] = FaultArgs(**{k: v for k, v in dict(d.get("fault") or {}).items()
-                                   if k in {f.name for f in fields(FaultArgs)}})
-        return cls(**kw)
+        args = super().from_dict(d)
+        args.fault = FaultArgs.from_dict(dict(d.get("fault") or {}))
+        return args
 
 
 def lr_at(step: int, a: TrainArgs) -> float:
@@ -96,17 +105,31 @@ def build_optimizer(params: List[torch.nn.Parameter], a: TrainArgs) -> torch.opt
     return torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, foreach=True)
 
 
-def _maybe_inject_fault(step: int, rank: int, fault: FaultArgs) -> None:
-    """Chaos drill: the chosen rank dies hard at the chosen step, once per trial."""
-    if fault.at_step == step and fault.kill_rank == rank and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
+def _maybe_inject_fault(step: int, rank: int, fault: FaultArgs, marker_dir: Optional[str]) -> None:
+    """Chaos drill: the chosen rank dies hard at the chosen step, once per trial (a marker in the
+    checkpoint folder, or the elastic restart count, tells a restarted group it already fired)."""
+    if fault.at_step != step or fault.kill_rank != rank:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    if marker_dir:
+        marker = os.path.join(marker_dir, f"fault_fired_rank{rank}_step{step}")
+        if os.path.exists(marker):
+            return
+        os.makedirs(marker_dir, exist_ok=True)
+        open(marker, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _nan_hook(trainer_step: List[int], at_step: int):
+def _inject_hook(trainer_step: List[int], at_step: int, inject: str):
+    """Chaos drill: a NaN in one block's output at one step; or (inject=overflow) the output
+    scaled by 1e5 through fp16, which overflows to inf as an fp16 activation would."""
     def hook(module, inputs, output):
-        if trainer_step[0] == at_step:
-            return output + float("nan")
-        return output
+        if trainer_step[0] != at_step:
+            return output
+        if inject == "overflow":
+            return (output * 1e5).to(torch.float16).to(output.dtype)
+        return output + float("nan")
     return hook
 
 
@@ -262,20 +285,32 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
     for m in model.modules:
         key = str(targs.fault.nan_layer)
         if targs.fault.nan_at_step >= 0 and key in m.layers:
-            m.layers[key].register_forward_hook(_nan_hook(step_ref, targs.fault.nan_at_step))
-    opt = build_optimizer(model.params, targs)
+            m.layers[key].register_forward_hook(_inject_hook(step_ref, targs.fault.nan_at_step, targs.fault.inject))
+    tracker = FiniteTracker(model.modules, device)  # after the drill's hook: it sees its output
+    monitor = PrecisionMonitor(model.modules, pargs.monitor)
+    profiler = Profiler(targs.profile, targs.profile_start, targs.profile_steps,
+                        targs.profile_dir or os.path.join(os.getcwd(), "profiles"), device, rank)
+    # one optimizer per stage part (AdamW has no cross-parameter state), so each part's state
+    # dict can be taken and restored with its module
+    optims = [build_optimizer([q for q in m.parameters() if q.requires_grad], targs) for m in model.modules]
 
     if rank == 0:
         data_mod.prepare(dargs)
     if dist.is_initialized():
         dist.barrier()
+    start_step = 0
+    found = ckpt.latest(targs.checkpoint_dir)
+    if found is not None:
+        start_step, path = found
+        extra = ckpt.load(path, model.modules, optims)
+        scaler.load_state_dict(extra["scaler"])
     per_replica = targs.global_batch // p.dp
     micro = per_replica if p.pp > 1 else targs.micro_batch  # the pipeline splits its own batch
     accum = per_replica // micro
     loader = data_mod.build_loader(
         dargs, seq_len=targs.seq_len, vocab_size=margs.vocab_size, seed=targs.seed,
         global_batch=targs.global_batch, micro_batch=micro, dp_rank=model.dp_rank, dp_size=p.dp,
-        steps=targs.steps, pin_memory=device.type == "cuda",
+        steps=targs.steps, start_step=start_step, pin_memory=device.type == "cuda",
     )
     tokens_per_step = targs.global_batch * targs.seq_len
     # 6 N per token for the matmuls forward and backward, plus attention scores 12 L d T
@@ -308,45 +343,74 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
     param_sum_initial = param_checksum(model.params, mesh)
     model.train()
     it = iter(loader)
-    for step in range(targs.steps):
+    for step in range(start_step, targs.steps):
         step_ref[0] = step
-        _maybe_inject_fault(step, rank, targs.fault)
+        _maybe_inject_fault(step, rank, targs.fault, targs.checkpoint_dir)
+        profiler.step(step)
+        monitor.begin(step)
+        tracker.reset()
         t0 = time.perf_counter()
         lr = lr_at(step, targs)
-        for group in opt.param_groups:
-            group["lr"] = lr
+        for opt in optims:
+            for group in opt.param_groups:
+                group["lr"] = lr
         loss = model.forward_backward([next(it) for _ in range(accum)])
         finite = scaler.unscale_and_check(model.params)
         grad_norm = float("nan")
         if finite:
             grad_norm = clip_grads_(model.params, targs.grad_clip, mesh)
-            if not math.isfinite(grad_norm):
-                if not scaler.enabled:
-                    raise NonFiniteError(f"non-finite gradient norm at step {step}")
-                finite = False
-        if finite:
-            opt.step()
+            finite = math.isfinite(grad_norm)
+        # every rank reaches here with the same `finite` (the flag and the norm are global)
+        first_bad = None if finite else tracker.first_layer()
+        if not finite and (not scaler.enabled or scaler.skipped_in_row + 1 >= scaler.max_consecutive_skips):
+            where = f"first in layer {first_bad} (block output)" if first_bad is not None else \
+                "forward activations finite, first in the backward pass"
+            why = "" if not scaler.enabled else f" ({scaler.skipped_in_row + 1} overflowed steps in a row)"
+            raise NonFiniteError(f"non-finite values at step {step}{why}: {where}")
+        stats = monitor.collect() if monitor.active else None
+        for opt in optims:
+            if finite:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
         scaler.update(finite)
-        opt.zero_grad(set_to_none=True)
         synchronize(device)
         dt = time.perf_counter() - t0
         row = {"step": step, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, "lr": lr, "grad_norm": grad_norm}
         row["loss_scale"] = scaler.scale
         row["skipped_steps"] = scaler.skipped_steps
+        if first_bad is not None:
+            row["overflow_layer"] = first_bad  # the skipped step's first non-finite block
+        if stats:
+            acts = [r for r in stats if r["kind"] == "activation"]
+            row["monitor_act_max_abs"] = max(r["max_abs"] for r in acts) if acts else 0.0
+            row["monitor_overflow_frac"] = max(r["overflow_fp16"] for r in stats)
+            row["monitor_nonfinite"] = sum(r["nonfinite"] for r in stats)
+            if rank == 0:
+                reporter.log_table(step, "monitor", stats)
         if model.comm_stats is not None:
             row.update(model.comm_stats.take())
         pending.append(row)
         pending_loss.append(loss)
         if rank == 0:
             reporter.on_step(step, dt)
-        if (step + 1) % max(1, targs.log_every) == 0 or step == targs.steps - 1:
+        done = step + 1
+        due = targs.checkpoint_every > 0 and targs.checkpoint_dir and done % targs.checkpoint_every == 0
+        if done % max(1, targs.log_every) == 0 or done == targs.steps or due:
             flush()
+        if due:
+            path = ckpt.save(targs.checkpoint_dir, done, model.modules, optims, {"scaler": scaler.state_dict()})
+            if rank == 0:
+                reporter.checkpoint(done, str(path))
 
+    profiler.close()
+    comm_shares = _gather(profiler.result.comm_share if profiler.result else 0.0, device, world)
     peaks = _gather(peak_memory_gb(device), device, world)
     skipped = _gather(float(scaler.skipped_steps), device, world)
     param_sum_final = param_checksum(model.params, mesh)
     if rank != 0:
         return None
+    if not history:  # resumed from a checkpoint of the last step: nothing left to run
+        return {"resumed_from_step": start_step, "world_size": world, "losses": [], "grad_norms": []}
     timed = [r["step_time_s"] for r in history if r["step"] >= targs.warmup_steps] or [r["step_time_s"] for r in history]
     median = statistics.median(timed)
     peak_flops = rt.peak_flops * world
@@ -362,9 +426,19 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
         "param_sum_initial": param_sum_initial,
         "param_sum_final": param_sum_final,
         "world_size": world,
+        "resumed_from_step": start_step,
         "bubble_fraction": bubble_fraction(p.pp, p.microbatches, p.schedule, p.virtual_stages),
     }
     summary.update({f"peak_mem_gb_rank{r}": v for r, v in enumerate(peaks)} if world > 1 else {})
+    if profiler.result is not None:
+        summary.update(profiler.result.metrics())
+        summary["comm_share"] = max(comm_shares)  # the rank that waits on communication most
+        table = os.path.join(profiler.out_dir, "top_ops.txt")
+        with open(table, "w") as f:
+            f.write(profiler.result.table)
+        for path in (profiler.result.trace_path, table):
+            if path:
+                reporter.log_artifact(path, "profile")
     reporter.finish(summary)
     summary["losses"] = [r["loss"] for r in history]
     summary["grad_norms"] = [r["grad_norm"] for r in history]

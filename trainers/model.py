@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from trainers.args import SectionArgs
 
 
 @dataclass
-class ModelArgs:
+class ModelArgs(SectionArgs):
     vocab_size: int = 256
     d_model: int = 128
     n_layers: int = 4
@@ -34,10 +35,6 @@ class ModelArgs:
     activation_checkpointing: bool = False
     dropout: float = 0.0
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelArgs":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
     @property
     def kv_heads(self) -> int:

@@ -7,18 +7,19 @@ per-layer all-reduces; PP crosses nodes next, DP outermost.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from trainers.args import SectionArgs
 from trainers.model import GPT, ModelArgs
 
 
 @dataclass
-class ParallelArgs:
+class ParallelArgs(SectionArgs):
     dp: int = 1
     tp: int = 1
     pp: int = 1
@@ -28,10 +29,6 @@ class ParallelArgs:
     dp_shard: str = "ddp"
     sequence_parallel: bool = False
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "ParallelArgs":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
     @property
     def stages_per_rank(self) -> int:

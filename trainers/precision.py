@@ -7,19 +7,20 @@ the parameters.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Iterable, List
 
 import torch
 import torch.distributed as dist
 
+from trainers.args import SectionArgs
 from trainers.parallel import local
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
-class PrecisionArgs:
+class PrecisionArgs(SectionArgs):
     name: str = "fp32"
     param_dtype: str = "fp32"
     compute_dtype: str = "fp32"
@@ -31,11 +32,9 @@ class PrecisionArgs:
     hysteresis: int = 1
     master_weights_fp32: bool = True
     fp32_ops: List[str] = field(default_factory=list)
+    monitor: int = 0
+    max_consecutive_skips: int = 25
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "PrecisionArgs":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def autocast(args: PrecisionArgs, device: torch.device):
@@ -61,6 +60,8 @@ class DynamicLossScaler:
         self.device = device
         self._clean_steps, self._overflows_left = 0, self.hysteresis
         self.skipped_steps = 0
+        self.skipped_in_row = 0
+        self.max_consecutive_skips = args.max_consecutive_skips
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
@@ -82,6 +83,7 @@ class DynamicLossScaler:
     def update(self, finite: bool) -> None:
         if not self.enabled:
             return
+        self.skipped_in_row = 0 if finite else self.skipped_in_row + 1
         if finite:
             self._clean_steps += 1
             self._overflows_left = self.hysteresis

@@ -15,12 +15,30 @@ class Reporter(Protocol):
     def log_steps(self, rows: List[Dict[str, Any]]) -> None:
         """A batch of per-step metric rows, each with its ``step``."""
 
+    def checkpoint(self, step: int, path: str) -> None:
+        """A complete checkpoint of ``step`` steps now sits at ``path``."""
+
+    def log_table(self, step: int, name: str, rows: List[Dict[str, Any]]) -> None:
+        """A table of rows for one step (per-layer statistics), kept as one artifact."""
+
+    def log_artifact(self, path: str, folder: str = "") -> None:
+        """A file the trial produced (a profiler trace)."""
+
     def finish(self, summary: Dict[str, Any]) -> None:
         """Summary metrics of the trial, once, after the last step."""
 
 
 class NullReporter:
     def on_step(self, step: int, step_time_s: float) -> None:
+        pass
+
+    def checkpoint(self, step: int, path: str) -> None:
+        pass
+
+    def log_table(self, step: int, name: str, rows: List[Dict[str, Any]]) -> None:
+        pass
+
+    def log_artifact(self, path: str, folder: str = "") -> None:
         pass
 
     def log_steps(self, rows: List[Dict[str, Any]]) -> None:

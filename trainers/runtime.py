@@ -11,15 +11,16 @@ import datetime as _dt
 import importlib
 import os
 import resource
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
+from trainers.args import SectionArgs
 
 
 @dataclass
-class RuntimeArgs:
+class RuntimeArgs(SectionArgs):
     device_type: str = "cpu"  # cpu | cuda | npu
     backend: str = "gloo"  # gloo | nccl | hccl
     torch_plugin: Optional[str] = None
@@ -28,10 +29,6 @@ class RuntimeArgs:
     emulated: bool = False
     peak_flops: float = 0.0  # per device, for the compute dtype; 0 = unknown
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "RuntimeArgs":
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def apply_env(env: Dict[str, str]) -> None:
@@ -58,10 +55,22 @@ def select_device(rt: RuntimeArgs, local_rank: int) -> torch.device:
 
 
 def init_process_group(rt: RuntimeArgs) -> None:
+    """Join the trial's process group (env:// variables from the launcher). Under torch's
+    elastic agent, a restarted worker group reuses the agent's store: its keys are prefixed with
+    the restart count, or the new ranks would read the dead ranks' addresses and fail to connect."""
     if dist.is_initialized():
         return
-    dist.init_process_group(backend=rt.backend, init_method="env://",
-                            timeout=_dt.timedelta(seconds=rt.timeout_s))
+    timeout = _dt.timedelta(seconds=rt.timeout_s)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend=rt.backend, init_method="env://", timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
+    dist.init_process_group(backend=rt.backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
 
 
 def synchronize(device: torch.device) -> None:

@@ -1,0 +1,433 @@
+"""Trials on a Ray cluster: a Ray Train worker group per trial, and the core of the
+``hydra/launcher=ray`` launcher, which submits every trial of a sweep at once.
+
+A trial goes to Ray when the sweep's launcher is ``ray``, when it spans more than one node, or
+when a cluster address is set (``launch.ray.address`` or ``RAY_ADDRESS``); a single trial on one
+node keeps the local elastic launcher (:mod:`orchestrator.launch`).
+
+On Ray a trial is one ``TorchTrainer``: ``world_size`` workers in one placement group, so they
+are placed all together or not at all, each holding whole devices of the chip's Ray resource
+(``NPU``, ``GPU``, ``CPU``); a trial waits in Ray's queue until its devices are free. Ray Train
+sets up the process group (gloo on CPU and for emulated chips, nccl on CUDA, hccl on Ascend, with
+``comm.timeout_s``) and restarts the worker group up to ``launch.max_failures`` times. Each worker
+runs ``trainers.loop.worker_entry``; rank 0 sends per-step metrics to MLflow in batches through
+the trial's reporter, never through Ray.
+
+Ray is imported inside the functions: composing or validating a config never imports it.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import os
+import re
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+from omegaconf import DictConfig
+
+from orchestrator.launch import TrialFailed, classify, trial_nodes
+from orchestrator.validate import layout
+
+log = logging.getLogger("orchestrator")
+
+# the sweep's progress board and this job's key on it, while a sweep job runs in this process
+_board_slot: Optional[Tuple[Any, int]] = None
+
+
+def cluster_address(ray_cfg: Any) -> Optional[str]:
+    """``launch.ray.address``, else ``$RAY_ADDRESS``, else None (a local cluster is started)."""
+    address = (ray_cfg.get("address") if ray_cfg is not None else None) or os.environ.get("RAY_ADDRESS")
+    return str(address) if address else None
+
+
+def _nodes(cfg: DictConfig) -> int:
+    return trial_nodes(layout(cfg).world_size, int(cfg.chip.devices_per_node), int(cfg.launch.nnodes))
+
+
+def goes_to_ray(cfg: DictConfig) -> bool:
+    """A trial larger than one node, or any trial when a cluster address is set."""
+    return _nodes(cfg) > 1 or cluster_address(cfg.launch.ray) is not None
+
+
+def launch_errors(cfg: DictConfig) -> List[str]:
+    """Rules of where a trial can run (the planner plans any node count; a launch cannot)."""
+    nodes = _nodes(cfg)
+    if nodes == 1 or cluster_address(cfg.launch.ray) is not None:
+        return []
+    fix = "a multi-node trial runs on a Ray cluster: set launch.ray.address (or RAY_ADDRESS) to one"
+    if int(cfg.launch.nnodes) > 1:
+        return [f"launch.nnodes={cfg.launch.nnodes}: {fix}"]
+    return [f"parallel: dp*tp*pp={layout(cfg).world_size} needs {nodes} nodes of chip={cfg.chip.name} "
+            f"(chip.devices_per_node={cfg.chip.devices_per_node}); {fix}"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """How a trial's workers ask Ray for devices."""
+    resource: str  # the Ray resource each worker holds whole units of: NPU | GPU | CPU
+    nodes: int  # nodes the trial spans
+    exclusive: bool  # whole nodes: each worker holds its share of all of a node's `resource`
+
+    @classmethod
+    def of(cls, cfg: DictConfig) -> "Placement":
+        chip = cfg.chip
+        resource = "CPU" if chip.emulate or chip.device_type == "cpu" else str(chip.ray_resource)
+        return cls(resource, _nodes(cfg), bool(cfg.launch.ray.exclusive))
+
+    def units(self, world_size: int, node_totals: Sequence[float]) -> int:
+        """Whole units of ``resource`` per worker, checked against the cluster's nodes; raises
+        TrialFailed(infeasible) for a trial that could never be placed (it would wait forever)."""
+        per_node = -(-world_size // self.nodes)
+        totals = sorted(int(t) for t in node_totals if t >= 1)
+        if not totals:
+            raise TrialFailed("infeasible", f"the Ray cluster has no {self.resource} resource")
+        units = 1
+        if self.exclusive:
+            # all of a node's devices, split over the trial's workers on it; what is left over is
+            # less than any exclusive trial's share of a node, so no other such trial fits in it
+            capable = [t for t in totals if t >= per_node]
+            units = capable[0] // per_node if capable else 1
+        if self.nodes == 1 and totals[-1] < world_size * units:
+            raise TrialFailed("infeasible", f"needs {world_size} x {units} {self.resource} on one node; the largest "
+                                            f"node of the Ray cluster has {totals[-1]}")
+        if sum(t // units for t in totals) < world_size:
+            raise TrialFailed("infeasible", f"needs {world_size} x {units} {self.resource}; the Ray cluster has "
+                                            f"{sum(totals)} on {len(totals)} node(s)")
+        return units
+
+
+@contextlib.contextmanager
+def cluster(ray_cfg: Any, keep: bool = False) -> Iterator[None]:
+    """Connect to the cluster at :func:`cluster_address`, or start a local one (dashboard on
+    127.0.0.1 only); a cluster started here stops on leaving, unless ``keep`` (then it stops when
+    this process exits). Inside a Ray task or actor this is a no-op."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    address = cluster_address(ray_cfg)
+    if address:
+        try:
+            ray.init(address=address, log_to_driver=True, runtime_env=_code_runtime_env())
+        except ConnectionError as err:
+            raise ConnectionError(f"{err} (a cluster started by `ray start` expects a token: export "
+                                  f"RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token)") from None
+    else:
+        # "local": a new cluster, even where `ray start` left one running on this machine
+        ray.init(address="local", num_cpus=ray_cfg.get("num_cpus"), log_to_driver=True,
+                 include_dashboard=bool(ray_cfg.get("dashboard", True)), dashboard_host="127.0.0.1")
+    try:
+        yield
+    finally:
+        if not address and not keep:
+            ray.shutdown()
+
+
+def _code_runtime_env() -> Optional[Dict[str, Any]]:
+    """What a joined cluster's workers need to import this code: nothing when it is an installed
+    package (install it on every node) or inside a submitted job (the job's runtime env rules);
+    a source checkout travels as the job's working_dir (Ray uploads it, less what .gitignore lists)."""
+    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
+        return None
+    root = Path(__file__).resolve().parents[1]
+    return {"working_dir": str(root)} if (root / "pyproject.toml").is_file() else None
+
+
+class _Attempts:
+    """Counts each rank's starts: a restarted worker group knows it is a restart (the trainer's
+    fault drill fires on the first attempt only, as under torch's elastic launcher)."""
+
+    def __init__(self) -> None:
+        self._starts: Dict[int, int] = {}
+
+    def register(self, rank: int) -> int:
+        n = self._starts.get(rank, 0)
+        self._starts[rank] = n + 1
+        return n
+
+
+class _Board:
+    """The sweep's trials whose workers have been placed: an unfinished trial is queued until
+    then, running after (through restarts, and while its end is recorded)."""
+
+    def __init__(self) -> None:
+        self._placed: set = set()
+
+    def place(self, key: int) -> None:
+        self._placed.add(key)
+
+    def placed(self) -> set:
+        return set(self._placed)
+
+
+def _train_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """One Ray Train worker: the process group is already up (Ray Train's TorchConfig)."""
+    import ray
+    import ray.train
+
+    ctx = ray.train.get_context()
+    rank = ctx.get_world_rank()
+    # the trainer picks its device and thread count from these, as under torchrun
+    os.environ["LOCAL_RANK"] = str(ctx.get_local_rank())
+    for key, value in (("RANK", rank), ("WORLD_SIZE", ctx.get_world_size()),
+                       ("LOCAL_WORLD_SIZE", ctx.get_local_world_size()), ("NODE_RANK", ctx.get_node_rank())):
+        os.environ.setdefault(key, str(value))
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(ray.get(config["attempts"].register.remote(rank)))
+    if rank == 0 and config["board"] is not None:
+        config["board"].place.remote(config["key"])
+    if os.path.isdir(config["cwd"]):  # Ray Train starts workers in its own run folder
+        os.chdir(config["cwd"])
+    from trainers.loop import worker_entry
+
+    return worker_entry(config["spec"], config["reporter"])
+
+
+_COLLATERAL = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _death(failure: Exception) -> str:
+    """Why a worker process vanished, in one line that classify() reads right."""
+    if type(failure).__name__ == "OutOfMemoryError":  # ray.exceptions: Ray's memory monitor killed it
+        return "OutOfMemoryError: killed by Ray's memory monitor (the node ran low on memory)"
+    found = re.search(r"Worker exit type: (\S+) Worker exit detail: ([^.]*\.)", str(failure))
+    if found:
+        return f"worker process died ({found.group(1)}: {found.group(2)})"
+    return f"worker process died ({type(failure).__name__})"
+
+
+def failure_reason(err: Exception) -> str:
+    """One line for a trial that failed on Ray: the rank whose process died first, else the
+    first error that is not the peers' collateral connection errors."""
+    failures: Dict[int, Exception] = getattr(err, "worker_failures", None) or {}
+    if not failures:
+        inner = getattr(err, "controller_failure", None) or err
+        return f"{type(inner).__name__}: {_last_line(str(inner))}"
+    for rank, failure in sorted(failures.items()):
+        if hasattr(failure, "health_check_failure"):
+            return f"rank {rank}: {_death(failure.health_check_failure)}"
+    ranked = sorted(failures.items(), key=lambda kv: (any(c in str(kv[1]).lower() for c in _COLLATERAL), kv[0]))
+    rank, failure = ranked[0]
+    return f"rank {rank}: {type(failure).__name__}: {_last_line(str(failure))}"
+
+
+def launch_trial(spec: Dict[str, Any], reporter: Any, world_size: int, launch: Dict[str, Any], *,
+                 placement: Placement) -> Dict[str, Any]:
+    """Run ``trainers.loop.worker_entry`` in ``world_size`` Ray Train workers; rank 0's summary.
+    The same signature as :func:`orchestrator.launch.launch_local`."""
+    ray_cfg = launch.get("ray") or {}
+    with cluster(ray_cfg):
+        import ray
+        from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+        from ray.train.torch import TorchConfig
+
+        totals = [float(n["Resources"].get(placement.resource, 0.0)) for n in ray.nodes() if n.get("Alive")]
+        units = placement.units(world_size, totals)
+        rt = spec["runtime"]
+        # backend variables (HCCL_BUFFSIZE, NCCL_BUFFSIZE) before the workers start, unless the
+        # user set them; the trainer applies them again, for the local path
+        env = {k: str(v) for k, v in rt.get("env", {}).items() if k not in os.environ}
+        board, key = _board_slot or (None, -1)
+        trainer = _trainer_class()(
+            _train_worker,
+            train_loop_config={"spec": spec, "reporter": reporter, "cwd": os.getcwd(), "board": board, "key": key,
+                               "attempts": ray.remote(num_cpus=0)(_Attempts).remote()},
+            scaling_config=ScalingConfig(
+                num_workers=world_size, use_gpu=placement.resource == "GPU",
+                resources_per_worker={placement.resource: units},
+                # one node: all on it (as the local launcher would); more: fill nodes in turn
+                placement_strategy="STRICT_PACK" if placement.nodes == 1 else "PACK"),
+            torch_config=TorchConfig(backend=rt["backend"], timeout_s=int(math.ceil(float(rt["timeout_s"])))),
+            run_config=RunConfig(
+                name=f"trial-{getattr(reporter, 'run_id', None) or uuid.uuid4().hex[:12]}",
+                failure_config=FailureConfig(max_failures=int(launch.get("max_failures", 0))),
+                worker_runtime_env={"env_vars": env} if env else None,
+                callbacks=_accelerator_callbacks(placement.resource)),
+        )
+        log.info("trial on Ray: %d worker(s) x {%s: %d}%s", world_size, placement.resource, units,
+                 ", whole nodes" if placement.exclusive else "")
+        try:
+            result = trainer.fit()
+        except TrainingFailedError as err:
+            reason = failure_reason(err)
+            raise TrialFailed(classify(reason), reason) from None
+        return result.return_value or {}
+
+
+def _trainer_class():
+    """Ray Train's TorchTrainer without its placement-group cleaner. The cleaner is a detached
+    actor that asks the State API whether the trial's controller still lives, and it finds the
+    State API through RAY_ADDRESS or the last `ray start` on this machine, not through the cluster
+    it runs in: beside another cluster (or a stale one's address file) it holds every trial 12 s
+    after its last step, or takes a live controller for dead and removes its placement group.
+    Without it a trial's placement group goes with its worker group, or at the latest with the
+    process that launched the trial."""
+    from ray.train.torch import TorchTrainer
+
+    class Trainer(TorchTrainer):
+        def _create_default_callbacks(self):
+            return [cb for cb in super()._create_default_callbacks()
+                    if type(cb).__name__ != "PlacementGroupCleanerCallback"]
+
+    return Trainer
+
+
+def _accelerator_callbacks(resource: str) -> Optional[list]:
+    """Ray Train shares CUDA_VISIBLE_DEVICES among a node's workers (so LOCAL_RANK indexes the
+    device, as under torchrun) but not ASCEND_RT_VISIBLE_DEVICES; do the same for NPUs."""
+    if resource != "NPU":
+        return None
+    from ray.train.v2._internal.callbacks.accelerators import _share_accelerator_ids
+    from ray.train.v2._internal.execution.callback import WorkerGroupCallback
+
+    class ShareNpus(WorkerGroupCallback):
+        def before_init_train_context(self, workers):
+            _share_accelerator_ids(workers, "NPU", "ASCEND_RT_VISIBLE_DEVICES")
+            return {}
+
+    return [ShareNpus()]
+
+
+def trial_launcher(cfg: DictConfig):
+    """The Ray launch path for ``cfg``, with the signature of ``launch_local``."""
+    return functools.partial(launch_trial, placement=Placement.of(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# the hydra/launcher=ray core (the plugin shim in hydra_plugins/ray_launcher calls launch_jobs)
+
+
+def _run_job(hydra_context: Any, task_function: Any, config: DictConfig, singleton_state: Any, board: Any,
+             key: int, cwd: str) -> Any:
+    """One sweep job, in a Ray task on the sweep's node: Hydra's run_job, as the basic launcher
+    would run it, with this job's slot on the progress board."""
+    global _board_slot
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import run_job
+
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
+    Singleton.set_state(singleton_state)
+    _board_slot = (board, key)
+    try:
+        return run_job(hydra_context=hydra_context, task_function=task_function, config=config,
+                       job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    finally:
+        _board_slot = None
+
+
+def _outcome(ret: Any) -> Tuple[str, str]:
+    from hydra.core.utils import JobStatus
+
+    if ret.status == JobStatus.FAILED:
+        err = ret._return_value
+        return "crash", f"{type(err).__name__}: {_last_line(str(err))}"
+    value = ret.return_value if isinstance(ret.return_value, dict) else {}
+    return str(value.get("status", "finished")), str(value.get("reason") or value.get("run_id") or "")
+
+
+class _SweepBar:
+    """Trials queued, running, done, failed, on one console line (quiet when not a terminal)."""
+
+    def __init__(self, total: int, enabled: Optional[bool] = None):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._bar = None
+        if self.enabled:
+            from tqdm import tqdm
+
+            # a terminal that reports no size (0 x 0) would hide the bar: assume 100 x 20 there
+            size = shutil.get_terminal_size((100, 20))
+            self._bar = tqdm(total=total, desc="sweep", file=sys.stderr, ncols=size.columns, nrows=size.lines,
+                             bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}{postfix}")
+
+    def show(self, queued: int, running: int, done: int, failed: int) -> None:
+        if self._bar is not None:
+            self._bar.n = done + failed
+            self._bar.set_postfix({"queued": queued, "running": running, "done": done, "failed": failed})
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[Any]:
+    """Submit every job of the batch to Ray at once; each runs when its trial's devices are free."""
+    from hydra.core.singleton import Singleton
+    from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
+    from omegaconf import open_dict
+
+    from orchestrator.app import mark_started
+
+    mark_started()
+    setup_globals()
+    config = launcher.config
+    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
+    Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+    jobs = []
+    for i, overrides in enumerate(job_overrides):
+        idx = initial_job_idx + i
+        job_cfg = launcher.hydra_context.config_loader.load_sweep_config(config, list(overrides))
+        with open_dict(job_cfg):
+            job_cfg.hydra.job.id = f"{idx}"
+            job_cfg.hydra.job.num = idx
+        jobs.append((idx, list(overrides), job_cfg))
+
+    # the cluster lives as long as the multirun (a sweeper may send several batches)
+    with cluster(config.launch.ray, keep=True):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        board = ray.remote(num_cpus=0)(_Board).remote()
+        # the jobs' own processes hold no devices (their trials' workers do) and stay on this node,
+        # beside the sweep's files and MLflow store; a job is never re-run (it would record twice)
+        run = ray.remote(_run_job).options(
+            num_cpus=0, max_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False))
+        resources = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "NPU")}
+        log.info("Ray launcher: %d trial(s) on a cluster of %s; sweep dir %s", len(jobs), resources,
+                 config.hydra.sweep.dir)
+        state = Singleton.get_state()
+        pending = {}
+        for idx, overrides, job_cfg in jobs:
+            log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
+            ref = run.remote(launcher.hydra_context, launcher.task_function, job_cfg, state, board, idx, os.getcwd())
+            pending[ref] = (idx, overrides, job_cfg)
+        results: Dict[int, Any] = {}
+        counts = {"done": 0, "failed": 0}
+        bar = _SweepBar(len(jobs))
+        try:
+            while pending:
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0)
+                for ref in ready:
+                    idx, overrides, job_cfg = pending.pop(ref)
+                    try:
+                        ret = ray.get(ref)
+                    except Exception as err:  # noqa: BLE001 - the job's process died: the sweep goes on
+                        ret = JobReturn(overrides=overrides, cfg=job_cfg, status=JobStatus.FAILED)
+                        ret.return_value = err
+                    results[idx] = ret
+                    status, detail = _outcome(ret)
+                    counts["done" if status == "finished" else "failed"] += 1
+                    log.info("#%d %s: %s", idx, status, detail)
+                placed = ray.get(board.placed.remote())
+                running = sum(idx in placed for idx, _, _ in pending.values())
+                bar.show(len(pending) - running, running, counts["done"], counts["failed"])
+        except KeyboardInterrupt:
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            raise
+        finally:
+            bar.close()
+    return [results[idx] for idx, _, _ in jobs]

@@ -1,0 +1,139 @@
+"""The Ray launch path on real Ray clusters, with real gloo worker groups and a real MLflow store.
+
+Three tests, two clusters (a Ray cluster takes ~5 s to start and each trial's workers ~10 s on
+two cores): a sweep that queues on a local cluster started by the launcher itself, then a
+`ray start --head` cluster shared by a crashing sweep and a `ray job submit`.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launch import free_port
+from tests.conftest import ROOT, cli_env, metric_history, run_cli, search_runs
+
+pytestmark = pytest.mark.ray
+
+STEPS = 6
+# 2-rank trials, one CPU per rank; log every step, so the loss timestamps trace when a trial ran
+COMMON = ["+chip=cpu", "parallel=dp2", "trainer=smoke", f"trainer.steps={STEPS}", "trainer.log_every=1",
+          "data.num_workers=0"]
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def _sweep(runs):
+    parents = [r for r in runs if "sweep.status" in r.data.tags]
+    assert len(parents) == 1, [r.data.tags for r in runs]
+    parent = parents[0]
+    children = [r for r in runs if r.info.run_id != parent.info.run_id]
+    for child in children:
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.data.tags["sweep"] == parent.data.tags["sweep"]
+    return parent, children
+
+
+def test_a_sweep_queues_on_a_local_cluster_and_nests_its_runs(tmp_path):
+    """3 trials of 2 ranks on a local cluster of 4 CPUs: two run at a time, the third queues."""
+    proc = run_cli(["-m", "hydra/launcher=ray", *COMMON, "trainer.seed=1,2,3", "launch.ray.num_cpus=4"],
+                   cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    uri = "sqlite:///" + str(tmp_path / "mlruns.db")
+    parent, children = _sweep(search_runs(uri))
+    assert len(children) == 3
+    assert parent.info.status == "FINISHED" and parent.data.tags["sweep.status"] == "finished"
+    assert parent.data.tags["sweep.launcher"] == "ray"
+    assert parent.data.params["sweep.trainer.seed"] == "1,2,3"
+    assert parent.data.metrics["trials_done"] == 3 and parent.data.metrics["trials_failed"] == 0
+    spans = []
+    for child in children:
+        assert child.info.status == "FINISHED" and child.data.tags["trial.status"] == "finished"
+        losses = metric_history(uri, child.info.run_id, "loss")
+        assert [m.step for m in losses] == list(range(STEPS))  # per-step metrics, one per step
+        spans.append((min(m.timestamp for m in losses), max(m.timestamp for m in losses)))
+    assert sorted(c.data.params["trainer.seed"] for c in children) == ["1", "2", "3"]
+    # never all three at once: some trial's steps all came before or after another's
+    for a, b, c in itertools.combinations(spans, 3):
+        assert max(a[0], b[0], c[0]) > min(a[1], b[1], c[1]), spans
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """`ray start --head` on 127.0.0.1 with 4 CPUs and its dashboard, stopped by its pid at the end.
+    It does not see this checkout (no PYTHONPATH): the code must travel to its workers."""
+    log = tmp_path_factory.mktemp("ray_head") / "head.log"
+    port, dashboard = free_port(), free_port()
+    env = cli_env(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    env.pop("PYTHONPATH", None)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [RAY, "start", "--head", "--block", "--num-cpus=4", "--node-ip-address=127.0.0.1", f"--port={port}",
+             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
+             f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
+             "--disable-usage-stats"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent), start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while "Ray runtime started" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}"}
+    finally:
+        proc.terminate()  # `ray start --block` stops every process of the cluster on SIGTERM
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        _forget(port)
+
+
+def _forget(port: int) -> None:
+    """`ray start` notes its cluster (host:port) for later `ray.init()` calls; `ray stop` would
+    remove the note, a SIGTERM does not."""
+    note = Path("/tmp/ray/ray_current_cluster")
+    if note.is_file() and note.read_text().strip().endswith(f":{port}"):
+        note.unlink()
+
+
+def test_a_crashing_trial_fails_alone_and_the_sweep_goes_on(tmp_path, ray_head):
+    """launch.max_failures=0: the killed trial is recorded crash with its reason; the other finishes.
+    Joins the running cluster through RAY_ADDRESS."""
+    proc = run_cli(["-m", "hydra/launcher=ray", *COMMON, "launch.max_failures=0",
+                    "trainer.fault.kill_rank=-1,1", "trainer.fault.at_step=3"],
+                   cwd=tmp_path, timeout=600, RAY_ADDRESS=ray_head["address"], RAY_AUTH_MODE="token")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    uri = "sqlite:///" + str(tmp_path / "mlruns.db")
+    parent, children = _sweep(search_runs(uri))
+    by_rank = {c.data.params["trainer.fault.kill_rank"]: c for c in children}
+    assert set(by_rank) == {"-1", "1"}
+    crashed, finished = by_rank["1"], by_rank["-1"]
+    assert crashed.info.status == "FAILED" and crashed.data.tags["trial.status"] == "crash"
+    assert crashed.data.tags["trial.reason"].startswith("rank 1: worker process died"), crashed.data.tags
+    assert "fault" in crashed.data.tags
+    assert finished.info.status == "FINISHED" and finished.data.tags["trial.status"] == "finished"
+    assert [m.step for m in metric_history(uri, finished.info.run_id, "loss")] == list(range(STEPS))
+    assert parent.data.metrics["trials_done"] == 1 and parent.data.metrics["trials_failed"] == 1
+
+
+def test_ray_job_submit_runs_a_trial_on_the_cluster(tmp_path, ray_head):
+    """The README's command: the checkout travels as the job's working dir; inside the job
+    RAY_ADDRESS is set, so the trial goes to Ray."""
+    uri = "sqlite:///" + str(tmp_path / "mlruns.db")
+    env = cli_env(RAY_AUTH_MODE="token")
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(
+        [RAY, "job", "submit", "--address", ray_head["dashboard"], "--working-dir", str(ROOT), "--",
+         "python", "-m", "orchestrator", *COMMON, f"tracking.uri={uri}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "trial on Ray: 2 worker(s)" in proc.stdout + proc.stderr
+    runs = search_runs(uri)
+    assert len(runs) == 1 and runs[0].data.tags["trial.status"] == "finished"
+    assert [m.step for m in metric_history(uri, runs[0].info.run_id, "loss")] == list(range(STEPS))
