@@ -471,7 +471,8 @@ def step_parts(m: ModelShape, s: ParallelShape, precision: DictConfig, comm: Dic
                planner: DictConfig) -> StepParts:
     act_b = BYTES[precision.compute_dtype]
     peak = float(chip.peak_tflops.get(precision.compute_dtype, chip.peak_tflops.get("fp32", 0.0))) * 1e12
-    peak_all = max(peak, 1e-9) * s.world
+    # a CPU "device" is a worker process: they all share the host, whose peak the cpu preset gives
+    peak_all = max(peak, 1e-9) * (1 if chip.device_type == "cpu" else s.world)
     flops = model_flops(m, s)
     hw = flops * (8.0 / 6.0 if m.checkpointing else 1.0)
     compute = hw / peak_all

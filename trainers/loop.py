@@ -413,7 +413,8 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
         return {"resumed_from_step": start_step, "world_size": world, "losses": [], "grad_norms": []}
     timed = [r["step_time_s"] for r in history if r["step"] >= targs.warmup_steps] or [r["step_time_s"] for r in history]
     median = statistics.median(timed)
-    peak_flops = rt.peak_flops * world
+    # CPU workers share one host, whose peak the cpu chip gives; devices add up
+    peak_flops = rt.peak_flops * (1 if device.type == "cpu" else world)
     summary = {
         "step_time_median_s": median,
         "tokens_per_s_median": tokens_per_step / median,
