@@ -75,7 +75,7 @@ def experiment_id(uri: str, name: str, artifact_location: Optional[str] = None) 
 
 def start_run(cfg: DictConfig, overrides: Iterable[str], tags: Dict[str, str]) -> tuple[str, str]:
     """Create the trial's run with params, tags and config artifacts; return (uri, run_id)."""
-    from mlflow.entities import Param, RunTag
+    from mlflow.entities import Param
 
     uri = resolve_uri(cfg.tracking)
     exp = experiment_id(uri, cfg.tracking.experiment, cfg.tracking.artifact_location)
