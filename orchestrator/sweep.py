@@ -12,13 +12,14 @@ Hydra's context, and the trial reads its sweep from that process's environment.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import time
 import uuid
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
@@ -27,6 +28,36 @@ from orchestrator import tracking
 
 log = logging.getLogger("orchestrator")
 ENV = "ORCHESTRATOR_SWEEP"  # the job's sweep, as JSON: id, parent run id, tracking uri, experiment
+_active: Optional[Dict[str, str]] = None  # the sweep of the multirun running in this process
+
+
+def active() -> Optional[Dict[str, str]]:
+    """The running multirun's sweep (id, parent run id, uri, experiment), for its sweeper; None
+    outside a multirun or with tracking disabled."""
+    return _active
+
+
+def discard(sweep_info: Dict[str, Any]) -> None:
+    """Delete a sweep's parent run: its sweeper refused the study before anything ran."""
+    sweep_info["discarded"] = True
+    tracking.client(sweep_info["uri"]).delete_run(sweep_info["parent_run_id"])
+
+
+@contextlib.contextmanager
+def job_env(sweep: Optional[Dict[str, str]]) -> Iterator[None]:
+    """Within this block, runs recorded in this process belong to ``sweep`` (see child_tags)."""
+    if sweep is None:
+        yield
+        return
+    old = os.environ.get(ENV)
+    os.environ[ENV] = json.dumps(sweep)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
 
 
 def child_tags(tracking_cfg: DictConfig) -> Dict[str, str]:
@@ -113,8 +144,9 @@ class SweepCallback(Callback):
         self.sweep: Optional[Dict[str, str]] = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        global _active
         if config.tracking.enabled:
-            self.sweep = start_sweep(config)
+            self.sweep = _active = start_sweep(config)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self.sweep is not None:
@@ -129,6 +161,8 @@ class SweepCallback(Callback):
                 log.warning("sweep %s: progress not recorded: %s", self.sweep["id"], err)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if self.sweep is not None:
+        global _active
+        _active = None
+        if self.sweep is not None and not self.sweep.get("discarded"):
             end_sweep(self.sweep)
 

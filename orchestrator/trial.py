@@ -89,6 +89,35 @@ def _log_preflight(uri: str, run_id: str, report: Dict[str, Any]) -> None:
     })
 
 
+def _preflight(cfg: DictConfig) -> Dict[str, Any]:
+    """The planner, before any device is used: memory fit and operator coverage. The trainer runs
+    with the decompositions it maps (e.g. model.attn_impl=decomposed where fused attention is
+    missing on the chip), and the recorded config says so."""
+    report = planner.preflight(cfg)
+    for key, value in report["model_overrides"].items():
+        cfg.model[key] = value
+    return report
+
+
+def _infeasible_status(report: Dict[str, Any]) -> str:
+    return "unsupported_op" if report["ops"].get("unresolved") else "infeasible"
+
+
+def check(cfg: DictConfig) -> Dict[str, Any]:
+    """What :func:`start` would decide for this config, without recording or launching anything:
+    ``status`` (``ready``, ``infeasible`` or ``unsupported_op``), ``reasons``, the ``preflight``
+    report (None for a broken rule) and the ``config_hash`` its run will carry. ``cfg`` is
+    completed as :func:`start` completes it (chip resolved, the planner's mappings applied)."""
+    try:
+        prepare(cfg)
+    except ConfigError as err:
+        return {"status": "infeasible", "reasons": err.errors, "preflight": None,
+                "config_hash": tracking.config_hash(cfg)}
+    report = _preflight(cfg)
+    return {"status": "ready" if report["feasible"] else _infeasible_status(report), "reasons": report["reasons"],
+            "preflight": report, "config_hash": tracking.config_hash(cfg)}
+
+
 @dataclass
 class Trial:
     """A trial past validation and preflight: recorded in MLflow (a run with status running) and
@@ -114,16 +143,11 @@ def start(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = 
     prepare(cfg)
     overrides = list(overrides)
     lay = layout(cfg)
-    # the planner, before any device is used: memory fit and operator coverage; the trainer runs
-    # with the decompositions it maps (e.g. model.attn_impl=decomposed where fused attention is
-    # missing on the chip), and the recorded config says so
-    report = planner.preflight(cfg)
-    for key, value in report["model_overrides"].items():
-        cfg.model[key] = value
+    report = _preflight(cfg)
     result: Dict[str, Any] = {"status": "running", "run_id": None, "preflight": report}
     trial = Trial(cfg, overrides, lay, result)
     if not report["feasible"]:
-        status = "unsupported_op" if report["ops"].get("unresolved") else "infeasible"
+        status = _infeasible_status(report)
         result.update(status=status, reason="; ".join(report["reasons"]))
         if cfg.tracking.enabled:
             result["run_id"] = record_infeasible(cfg, overrides, report["reasons"], status, report)

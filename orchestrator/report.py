@@ -1,0 +1,350 @@
+"""Tuning reports: what each change did to the objective, as markdown and PNG plots.
+
+``python -m orchestrator.report --experiment NAME [--sweep ID]`` writes the report of a sweep
+(the newest one of the experiment by default). An OVAT sweep stored its report on its parent run
+(``tuning_report.json``); it is rendered again from there. Any other sweep (a grid) is read from
+its trials: points in launch order, the first one as the baseline, S of every point against it,
+the effect of each variable alone (the points that differ from the baseline in that variable
+only), the quality gate, and the best point with the command that reproduces it.
+
+Files: ``tuning_report.md``, ``tuning_report.json``, ``objective_<variable>.png`` (the objective
+per candidate value, each repeat a dot) and ``loss_curves.png`` (baseline and finalists).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from orchestrator import results, tracking
+from orchestrator.results import Point, fmt
+
+REPORT = "tuning_report"
+
+
+# ----------------------------------------------------------------------------- rendering
+
+def _slug(key: str) -> str:
+    return re.sub(r"[^\w.\-]+", "_", key.lstrip("+~")).strip("_") or "variable"
+
+
+def markdown(data: Dict[str, Any]) -> str:
+    obj, direction = data["objective"], data["direction"]
+    s_word = "T_baseline / T" if direction == "minimize" else "value / value_baseline"
+    title = f"Tuning report: {data.get('study') or data['kind']} (sweep {data['sweep']})"
+    lines = [f"# {title}", "",
+             f"- experiment `{data['experiment']}`, {data['kind']} sweep, objective `{obj}` ({direction}), "
+             f"S = {s_word}",
+             f"- repeats per point: {data.get('repeats', 1)}; noise (spread of the baseline's repeats): "
+             f"{100 * data.get('noise', 0.0):.1f}%; a change counts when S >= {data['threshold']:.3f} "
+             f"(max of min_speedup {data['min_speedup']} and 1 + noise) and beats the spread of both points' "
+             f"repeats; quality gate: no divergence, final loss within {data['loss_band']:.0%} of the baseline's",
+             ]
+    if data.get("fixed"):
+        lines.append(f"- fixed overrides: `{' '.join(data['fixed'])}`")
+    t = data.get("trials") or {}
+    if t:
+        lines.append(f"- trials: {t.get('launched', 0)} launched, {t.get('reused', 0)} reused from MLflow, "
+                     f"{t.get('pruned', 0)} pruned before launch; {t.get('trial_seconds', 0.0):.1f} trial-seconds")
+    if data.get("outcome") not in (None, "finished"):
+        lines.append(f"- outcome: **{data['outcome']}**")
+    lines += ["", "## Steps", "",
+              "| step | pass | variable | value | n | median objective | spread | S vs baseline | S vs previous best "
+              "| final loss | decision |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["rows"]:
+        decision = r["decision"].replace("|", "\\|")
+        mark = "**" if r.get("adopted") else ""
+        lines.append(f"| {r['step']} | {r.get('pass', '')} | `{r['variable']}` | {mark}`{r['value']}`{mark} | {r['n']} "
+                     f"| {fmt(r['objective'])} | {100 * r['spread']:.1f}% | {fmt(r['s_base'], 3)} "
+                     f"| {fmt(r.get('s_prev'), 3)} | {fmt(r['final_loss'])} | {decision} |")
+    final = data["final"]
+    lines += ["", "## Final config", ""]
+    if final.get("assignment"):
+        lines += [f"- `{k}={v}`" for k, v in final["assignment"].items()]
+    lines += ["", f"{obj} = {fmt(final.get('objective'))}, S = {fmt(final.get('s_total'), 3)} over the baseline "
+              f"(runs {', '.join(final.get('run_ids') or []) or '-'})", "", "Reproduce it:", "", "```",
+              final["command"], "```", "", "## What helped", ""]
+    lines += [f"- [x] {h}" for h in data["helped"]] or ["- nothing beat the baseline by more than the threshold"]
+    lines += ["", "## What did not", ""]
+    lines += [f"- [ ] {h}" for h in data["did_not_help"]] or ["- (every change tried helped)"]
+    plots = data.get("plots") or []
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _plot_variable(data: Dict[str, Any], key: str, path: Path) -> bool:
+    """The objective per value of one variable: each repeat a dot, the median a bar; an OVAT
+    step's incumbent first, in gray; the adopted value in green; a point that did not run, in red."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # a grid's per-variable view is its one-variable slices through the baseline
+    rows = [r for r in data.get("variable_rows") or data["rows"] if r["variable"] == key]
+    if not rows:
+        return False
+    columns = []  # (label, values, median, color, status)
+    seen_refs = set()
+    for r in rows:
+        ref = r.get("reference_label")
+        if ref is not None and (r.get("pass"), ref) not in seen_refs:
+            seen_refs.add((r.get("pass"), ref))
+            columns.append((f"{ref} (incumbent)", r.get("reference_values") or [], r.get("reference"), "gray", ""))
+        label = str(r["value"]) if not r.get("pass") or r["pass"] <= 1 else f"{r['value']} (pass {r['pass']})"
+        color = "tab:green" if r.get("adopted") else ("black" if r["step"] == 0 else "tab:blue")
+        columns.append((label, r["values"], r["objective"], color, "" if r["values"] else r["status"]))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(columns) + 2), 3.4))
+    for i, (label, values, median, color, missing) in enumerate(columns):
+        if values:
+            ax.scatter([i] * len(values), values, color=color, alpha=0.5, s=18)
+            ax.scatter([i], [median], color=color, marker="_", s=500)
+        else:
+            ax.annotate(missing or "-", (i, 0), xycoords=("data", "axes fraction"), xytext=(0, 8),
+                        textcoords="offset points", ha="center", color="tab:red", fontsize=8)
+    ax.set_xticks(range(len(columns)), [c[0] for c in columns], rotation=20, ha="right", fontsize=8)
+    ax.set_xlim(-0.6, len(columns) - 0.4)
+    ax.set_ylabel(data["objective"])
+    ax.set_title(f"{key} ({data['direction']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def _plot_losses(curves: Dict[str, List[float]], path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {k: v for k, v in curves.items() if v}
+    if not curves:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, losses in curves.items():
+        ax.plot(range(len(losses)), [v if math.isfinite(v) else float("nan") for v in losses], label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss curves: baseline and finalists", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def render(data: Dict[str, Any], out_dir: Path | str) -> List[Path]:
+    """Write the report into ``out_dir``; returns the files, the markdown first."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    plots = []
+    for var in data["variables"]:
+        name = f"objective_{_slug(var['key'])}.png"
+        if _plot_variable(data, var["key"], out / name):
+            plots.append(name)
+    if _plot_losses(data.get("curves") or {}, out / "loss_curves.png"):
+        plots.append("loss_curves.png")
+    data["plots"] = plots
+    md = out / f"{REPORT}.md"
+    md.write_text(markdown(data))
+    js = out / f"{REPORT}.json"
+    js.write_text(json.dumps(data, indent=1, default=str))
+    return [md, js, *(out / p for p in plots)]
+
+
+def attach(uri: str, run_id: str, files: List[Path], data: Dict[str, Any]) -> None:
+    """Put the report on the sweep's parent run: the files, the final config, headline figures."""
+    c = tracking.client(uri)
+    for f in files:
+        c.log_artifact(run_id, str(f), None if f.suffix != ".png" else "plots")
+    final = data["final"]
+    c.set_tag(run_id, "tuning.final_overrides", " ".join(final["overrides"])[:5000])
+    c.set_tag(run_id, "tuning.command", final["command"][:5000])
+    c.set_tag(run_id, "tuning.outcome", str(data.get("outcome", "finished")))
+    base = data["rows"][0]["objective"] if data["rows"] else None
+    t = data.get("trials") or {}
+    tracking.log_metrics(uri, run_id, {
+        "baseline_objective": base, "best_objective": final.get("objective"), "speedup": final.get("s_total"),
+        "noise": data.get("noise"), "trials_launched": t.get("launched"), "trials_reused": t.get("reused"),
+        "trials_pruned": t.get("pruned"), "trial_seconds": t.get("trial_seconds"),
+    })
+
+
+# ----------------------------------------------------------------------------- any sweep, from its trials
+
+def parent_runs(uri: str, experiment: str) -> List[Any]:
+    """Sweep parent runs of an experiment, newest first."""
+    return [r for r in results.search(uri, experiment, trials_only=False) if "sweep.status" in r.data.tags]
+
+
+def find_parent(uri: str, experiment: str, sweep_id: Optional[str]) -> Any:
+    parents = parent_runs(uri, experiment)
+    if sweep_id:
+        parents = [r for r in parents if sweep_id in (r.data.tags.get("sweep"), r.info.run_id)]
+    return parents[0] if parents else None
+
+
+def _assignment(overrides: List[str]) -> "OrderedDict[str, str]":
+    out: "OrderedDict[str, str]" = OrderedDict()
+    for o in overrides:
+        key, _, value = o.partition("=")
+        out[key] = value
+    return out
+
+
+def from_trials(uri: str, experiment: str, sweep_id: str, objective: str, direction: str,
+                min_speedup: float, loss_band: float) -> Dict[str, Any]:
+    """The report of any sweep, read from its trial runs (launch order; the first is the baseline)."""
+    runs = results.search(uri, experiment, results.tag_filter(sweep=sweep_id))
+    runs.sort(key=lambda r: r.info.start_time)
+    groups: "OrderedDict[str, List[Any]]" = OrderedDict()
+    for r in runs:
+        groups.setdefault(r.data.tags.get("trial.config_hash") or r.info.run_id, []).append(r)
+    points: List[Point] = []
+    for chash, members in groups.items():
+        p = Point(chash, results.overrides_of(uri, members[0]))
+        finished = [r for r in members if results.status(r) == tracking.STATUS_OK]
+        p.fill(uri, finished, objective)
+        if not p.values:
+            last = members[-1]
+            p.status = results.status(last) if results.status(last) != tracking.STATUS_OK else "failed"
+            p.reason = last.data.tags.get("trial.reason", "") or (f"objective {objective} not logged"
+                                                                  if finished else "")
+            p.run_ids = [r.info.run_id for r in members]
+        p.labels = dict(_assignment(p.overrides))
+        points.append(p)
+    if not points:
+        raise LookupError(f"sweep {sweep_id} has no trials in experiment {experiment}")
+    keys: List[str] = []
+    for p in points:
+        for k in p.labels:
+            if k not in keys and len({q.labels.get(k) for q in points}) > 1:
+                keys.append(k)
+    fixed = [f"{k}={v}" for k, v in points[0].labels.items() if k not in keys]
+    baseline = points[0]
+    noise = baseline.spread
+    threshold = max(min_speedup, 1.0 + noise)
+
+    def gate(p: Point) -> Optional[str]:
+        if p.status != tracking.STATUS_OK:
+            return f"{p.status}: {p.reason}" if p.reason else p.status
+        if p.diverged:
+            return f"rejected by the quality gate: diverged ({p.diverged})"
+        if baseline.final_loss is not None and p.final_loss is not None and \
+                abs(p.final_loss - baseline.final_loss) > loss_band * abs(baseline.final_loss):
+            return (f"rejected by the quality gate: final loss {p.final_loss:.4g} outside "
+                    f"{baseline.final_loss:.4g} +/- {loss_band:.0%}")
+        return None
+
+    eligible = [p for p in points if gate(p) is None]
+    best = None
+    for p in eligible:
+        if best is None or results.better(p.value, best.value, direction):
+            best = p
+    rows, helped, did_not = [], [], []
+    for i, p in enumerate(points):
+        changed = [k for k in keys if p.labels.get(k) != baseline.labels.get(k)]
+        s_base = results.speedup(baseline.value, p.value, direction)
+        why = gate(p)
+        if i == 0:
+            decision = "baseline" if why is None else why
+        elif why:
+            decision = why
+        else:
+            decision = "best" if p is best else ""
+        if i > 0 and len(changed) == 1 and why is None:  # this variable alone, from the baseline
+            text = f"{changed[0]}={p.labels[changed[0]]}: S={fmt(s_base, 3)} over the baseline"
+            (helped if s_base is not None and s_base >= threshold else did_not).append(text)
+        elif i > 0 and len(changed) == 1:
+            did_not.append(f"{changed[0]}={p.labels[changed[0]]}: {why}")
+        rows.append({
+            "step": i, "pass": "", "variable": "(baseline)" if i == 0 else ", ".join(changed) or "(same)",
+            "value": " ".join(f"{k}={p.labels.get(k, '')}" for k in (keys if i == 0 else changed)),
+            "status": p.status, "n": len(p.values), "objective": p.value, "values": list(p.values),
+            "spread": p.spread, "s_base": s_base, "s_prev": None, "reference": None, "final_loss": p.final_loss,
+            "decision": decision, "adopted": p is best, "run_ids": list(p.run_ids), "config_hash": p.config_hash,
+            "overrides": list(p.overrides), "labels": dict(p.labels),
+        })
+    # per-variable plots want one row per value: the points that change only this variable
+    var_rows = []
+    for key in keys:
+        for r, p in zip(rows, points):
+            if r["step"] == 0 or r["variable"] == key:
+                var_rows.append({**r, "variable": key, "value": p.labels.get(key, ""),
+                                 "adopted": r["adopted"] and r["step"] != 0})
+    final_p = best or baseline
+    pruned = sum(results.status(r) in ("infeasible", "unsupported_op") for r in runs)
+    t_seconds = sum((r.info.end_time - r.info.start_time) / 1000.0 for r in runs if r.info.end_time)
+    curves = OrderedDict([("baseline", baseline.losses.get(baseline.run_ids[0], []) if baseline.values else [])])
+    if best is not None and best is not baseline:
+        curves["best: " + " ".join(f"{k}={best.labels.get(k)}" for k in keys)] = best.losses.get(best.run_ids[0], [])
+    return {
+        "kind": "grid", "study": None, "sweep": sweep_id, "experiment": experiment, "objective": objective,
+        "direction": direction, "repeats": max((len(p.values) for p in points), default=1),
+        "min_speedup": min_speedup, "loss_band": loss_band, "noise": noise, "threshold": threshold,
+        "outcome": "finished" if best is not None else "no_eligible_point",
+        "variables": [{"key": k, "values": list(OrderedDict.fromkeys(p.labels.get(k, '') for p in points))}
+                      for k in keys],
+        "fixed": fixed, "rows": rows, "variable_rows": var_rows,
+        "final": {"assignment": {k: final_p.labels.get(k, "") for k in keys}, "overrides": final_p.overrides,
+                  "command": results.command(final_p.overrides), "objective": final_p.value,
+                  "s_total": results.speedup(baseline.value, final_p.value, direction),
+                  "run_ids": list(final_p.run_ids), "config_hash": final_p.config_hash},
+        "helped": helped, "did_not_help": did_not, "curves": curves,
+        "trials": {"launched": len(runs) - pruned, "reused": 0, "pruned": pruned, "trial_seconds": t_seconds},
+    }
+
+
+def _stored(uri: str, run_id: str) -> Optional[Dict[str, Any]]:
+    try:
+        return json.loads(results.artifact_text(uri, run_id, f"{REPORT}.json"))
+    except Exception:  # noqa: BLE001 - no stored report: build it from the trials
+        return None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m orchestrator.report", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--experiment", default="default", help="MLflow experiment (default: default)")
+    ap.add_argument("--sweep", help="sweep id or parent run id (default: the experiment's newest sweep)")
+    ap.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db here")
+    ap.add_argument("--out", help="folder for the report (default: reports/<sweep id>)")
+    ap.add_argument("--objective", default="step_time_median_s", help="for sweeps without a stored report")
+    ap.add_argument("--direction", default="minimize", choices=results.DIRECTIONS)
+    ap.add_argument("--min-speedup", type=float, default=1.02)
+    ap.add_argument("--loss-band", type=float, default=0.05)
+    ap.add_argument("--attach", action="store_true", help="also log the report on the sweep's parent run")
+    args = ap.parse_args(argv)
+    uri = tracking.resolve_uri({"uri": args.tracking_uri})
+    parent = find_parent(uri, args.experiment, args.sweep)
+    if parent is None:
+        what = f"sweep {args.sweep}" if args.sweep else "no sweep"
+        print(f"error: --experiment={args.experiment}: {what} found in {uri}", file=sys.stderr)
+        return 2
+    sweep_id = parent.data.tags["sweep"]
+    data = _stored(uri, parent.info.run_id)
+    if data is None:
+        try:
+            data = from_trials(uri, args.experiment, sweep_id, args.objective, args.direction,
+                               args.min_speedup, args.loss_band)
+        except LookupError as err:
+            print(f"error: --sweep={sweep_id}: {err}", file=sys.stderr)
+            return 2
+    out = Path(args.out or Path("reports") / sweep_id)
+    files = render(data, out)
+    if args.attach:
+        attach(uri, parent.info.run_id, files, data)
+    print(files[0].read_text())
+    print(f"report: {files[0]} ({len(files) - 2} plot(s) beside it)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""Trials read back from MLflow: objectives, points (repeats of one config), divergence, the
+command that reproduces a run. Shared by ``orchestrator.best``, ``orchestrator.report`` and the
+OVAT sweeper (``sweeps.ovat``).
+
+A *point* is one config (one ``trial.config_hash``) and the finished runs measuring it; its value
+is the median of their objective, its spread ``(max - min) / median`` over the repeats.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterable, List, Optional
+
+from orchestrator import tracking
+
+DIRECTIONS = ("minimize", "maximize")
+
+
+def search(uri: str, experiment: str, filter_string: str = "", trials_only: bool = True) -> List[Any]:
+    """Runs of an experiment (newest first); only trial runs (not sweep parents) by default."""
+    c = tracking.client(uri)
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    runs, token = [], None
+    while True:
+        page = c.search_runs([exp.experiment_id], filter_string=filter_string, max_results=5000,
+                             order_by=["attributes.start_time DESC"], page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            break
+    if trials_only:
+        runs = [r for r in runs if "trial.status" in r.data.tags]
+    return runs
+
+
+def tag_filter(**tags: Optional[str]) -> str:
+    """An MLflow filter string matching every given tag (None values are left out)."""
+    parts = []
+    for key, value in tags.items():
+        if value is None:
+            continue
+        key = key.replace("__", ".")
+        escaped = str(value).replace("'", "\\'")
+        parts.append(f"tags.`{key}` = '{escaped}'")
+    return " and ".join(parts)
+
+
+def status(run: Any) -> str:
+    return run.data.tags.get("trial.status", "running")
+
+
+def value(run: Any, objective: str) -> Optional[float]:
+    v = run.data.metrics.get(objective)
+    return float(v) if v is not None else None
+
+
+def loss_history(uri: str, run_id: str) -> List[float]:
+    """The run's per-step training loss, in step order."""
+    history = tracking.client(uri).get_metric_history(run_id, "loss")
+    return [m.value for m in sorted(history, key=lambda m: m.step)]
+
+
+def diverged(losses: List[float], final_loss: Optional[float] = None) -> Optional[str]:
+    """Why a finished run counts as diverged (its loss is not finite or rose), or None."""
+    final = final_loss if final_loss is not None else (losses[-1] if losses else None)
+    if final is None:
+        return "no loss logged"
+    if not math.isfinite(final):
+        return f"final loss {final}"
+    first = losses[0] if losses else None
+    if first is not None and math.isfinite(first) and final > first:
+        return f"loss rose from {first:.4g} to {final:.4g}"
+    return None
+
+
+def better(a: float, b: float, direction: str) -> bool:
+    return a < b if direction == "minimize" else a > b
+
+
+def speedup(reference: Optional[float], v: Optional[float], direction: str) -> Optional[float]:
+    """S = T_reference / T for a time (minimize); v / v_reference for a rate (maximize)."""
+    if reference is None or v is None or reference <= 0 or v <= 0:
+        return None
+    return reference / v if direction == "minimize" else v / reference
+
+
+def spread(values: List[float]) -> float:
+    """Run-to-run noise of repeats: (max - min) / median; 0 for a single run."""
+    if len(values) < 2:
+        return 0.0
+    med = statistics.median(values)
+    return (max(values) - min(values)) / abs(med) if med else 0.0
+
+
+@dataclass
+class Point:
+    """One config and what is known of it: its finished runs (the repeats) or why it did not run."""
+    config_hash: Optional[str]
+    overrides: List[str] = field(default_factory=list)
+    status: str = "pending"  # pending | finished | a failed status (infeasible, crash, ...)
+    reason: str = ""
+    run_ids: List[str] = field(default_factory=list)
+    values: List[float] = field(default_factory=list)
+    final_losses: List[float] = field(default_factory=list)
+    losses: Dict[str, List[float]] = field(default_factory=dict)  # run id -> per-step loss
+    diverged: Optional[str] = None
+    labels: Dict[str, str] = field(default_factory=dict)  # what distinguishes it in a study: KEY -> value
+
+    @property
+    def value(self) -> Optional[float]:
+        return statistics.median(self.values) if self.values else None
+
+    @property
+    def final_loss(self) -> Optional[float]:
+        return statistics.median(self.final_losses) if self.final_losses else None
+
+    @property
+    def spread(self) -> float:
+        return spread(self.values)
+
+    def fill(self, uri: str, runs: Iterable[Any], objective: str, with_losses: bool = True) -> "Point":
+        """Take these finished runs as the point's repeats."""
+        self.run_ids, self.values, self.final_losses, self.losses = [], [], [], {}
+        self.diverged = None
+        for run in runs:
+            v = value(run, objective)
+            if v is None:
+                continue
+            rid = run.info.run_id
+            self.run_ids.append(rid)
+            self.values.append(v)
+            final = run.data.metrics.get("final_loss")
+            losses = loss_history(uri, rid) if with_losses else []
+            self.losses[rid] = losses
+            if final is None and losses:
+                final = losses[-1]
+            if final is not None:
+                self.final_losses.append(float(final))
+            why = diverged(losses, final)
+            if why and not self.diverged:
+                self.diverged = why
+        if self.values:
+            self.status, self.reason = tracking.STATUS_OK, ""
+        return self
+
+
+def artifact_text(uri: str, run_id: str, path: str) -> str:
+    """One small text artifact of a run (raises when the run has none by that name)."""
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    with tempfile.TemporaryDirectory() as tmp:
+        return Path(tracking.client(uri).download_artifacts(run_id, path, tmp)).read_text()
+
+
+def overrides_of(uri: str, run: Any) -> List[str]:
+    """The overrides a run was launched with (its ``overrides.txt``; the run name as a fallback)."""
+    try:
+        return [line for line in artifact_text(uri, run.info.run_id, "overrides.txt").splitlines() if line.strip()]
+    except Exception:  # noqa: BLE001 - an older run or an artifact store we cannot read
+        name = run.data.tags.get("mlflow.runName", "")
+        return [] if name in ("", "default") else shlex.split(name)
+
+
+def command(overrides: Iterable[str]) -> str:
+    """The shell command that runs these overrides as one trial."""
+    return " ".join(["python", "-m", "orchestrator", *(shlex.quote(o) for o in overrides)])
+
+
+def fmt(v: Optional[float], digits: int = 4) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return f"{v:.{digits}g}"

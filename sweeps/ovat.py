@@ -1,0 +1,427 @@
+"""One-variable-at-a-time tuning (``hydra/sweeper=ovat``): measure a baseline, change one
+variable at a time, A/B each change with repeats, quantify S = T_baseline / T_optimized, keep
+only real wins, and write down what helped and what did not.
+
+The study: ordered variables with candidates (the first candidate of each is the baseline), an
+objective logged by every trial (``step_time_median_s`` by default) and its direction, repeats
+per point, a minimum speedup, a loss band, passes. Coordinate descent: the baseline, then each
+variable's other candidates with every other variable at its current best, in one batch through
+the configured launcher; the fastest candidate that passes the quality gate is adopted when its
+speedup over the current best is at least ``max(min_speedup, 1 + noise)``, where the noise is the
+spread of the baseline's repeats. Further passes run while the last one adopted something.
+
+Every point is first checked as a trial would check it (rules, launch limits, the planner's
+memory and operator coverage): one that cannot run is recorded in MLflow and never launched.
+Measurements come back from MLflow by config hash, so re-running a study reuses the trials that
+already finished (``hydra.sweeper.resume``) and launches only the missing repeats.
+
+The sweep's parent run (``orchestrator.sweep``) gets the tuning report: ``tuning_report.md``,
+``tuning_report.json`` and PNG plots, also written to the sweep directory.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from orchestrator import report, results, sweep, tracking, trial
+from orchestrator.results import Point
+
+log = logging.getLogger("orchestrator")
+PREFIX = "hydra.sweeper"
+
+
+class StudyError(ValueError):
+    def __init__(self, errors: List[str]):
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+@dataclass
+class Study:
+    name: str
+    variables: "OrderedDict[str, List[str]]"  # override key -> candidates; the first is the baseline
+    fixed: List[str]  # overrides every point shares
+    objective: str = "step_time_median_s"
+    direction: str = "minimize"
+    repeats: int = 2
+    min_speedup: float = 1.02
+    loss_band: float = 0.05
+    passes: int = 1
+    resume: bool = True
+
+    def overrides(self, assignment: Dict[str, str]) -> List[str]:
+        return [*self.fixed, *(f"{k}={v}" for k, v in assignment.items())]
+
+
+def _as_override_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_as_override_value(x) for x in v) + "]"
+    return str(v)
+
+
+def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, name: str) -> Study:
+    """The study from the sweeper's config and the command line; StudyError lists every broken key.
+
+    Command-line sweep overrides (``KEY=a,b``) become variables after the preset's (or replace a
+    preset variable's candidates in place); a plain override of a preset variable fixes it.
+    """
+    errors: List[str] = []
+    variables: "OrderedDict[str, List[str]]" = OrderedDict()
+    for key, cands in (spec.get("variables") or {}).items():
+        if isinstance(cands, str):
+            try:
+                (ov,) = parser.parse_overrides([f"{key}={cands}"])
+                values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.get_value_element_as_str()]
+            except Exception as err:  # noqa: BLE001 - a grammar error, reported with its key
+                errors.append(f"{PREFIX}.variables.{key}={cands}: {str(err).splitlines()[0]}")
+                continue
+        elif isinstance(cands, (list, tuple)):
+            values = [_as_override_value(c) for c in cands]
+        else:
+            values = [_as_override_value(cands)]
+        variables[str(key)] = values
+    fixed: List[str] = []
+    for ov in parser.parse_overrides(list(arguments)):
+        key = ov.get_key_element()
+        if ov.is_sweep_override():
+            if not ov.is_discrete_sweep():
+                errors.append(f"{ov.input_line}: the ovat sweeper takes a list of candidates (a,b,c), "
+                              f"not a {ov.value_type.name.lower()} sweep")
+                continue
+            variables[key] = list(ov.sweep_string_iterator())
+        else:
+            variables.pop(key, None)
+            fixed.append(ov.input_line)
+    for key, values in list(variables.items()):
+        unique = list(OrderedDict.fromkeys(values))
+        if len(unique) < 2:
+            errors.append(f"{PREFIX}.variables.{key}: needs at least two candidates (the first is the baseline), "
+                          f"got {values}")
+        variables[key] = unique
+    if not variables and not errors:
+        errors.append(f"{PREFIX}.variables: the study has no variables; give them in a +sweep preset or as "
+                      "KEY=a,b,c on the command line")
+    study = Study(name=name, variables=variables, fixed=fixed,
+                  objective=str(spec.get("objective") or ""), direction=str(spec.get("direction")),
+                  repeats=int(spec.get("repeats", 2)), min_speedup=float(spec.get("min_speedup", 1.0)),
+                  loss_band=float(spec.get("loss_band", 0.05)), passes=int(spec.get("passes", 1)),
+                  resume=bool(spec.get("resume", True)))
+    if not study.objective:
+        errors.append(f"{PREFIX}.objective: empty; name a metric every trial logs (e.g. step_time_median_s)")
+    if study.direction not in results.DIRECTIONS:
+        errors.append(f"{PREFIX}.direction={study.direction}: must be one of {', '.join(results.DIRECTIONS)}")
+    if study.repeats < 1:
+        errors.append(f"{PREFIX}.repeats={study.repeats}: must be at least 1 (2 or more measure the noise)")
+    if study.passes < 1:
+        errors.append(f"{PREFIX}.passes={study.passes}: must be at least 1")
+    if study.min_speedup < 1.0:
+        errors.append(f"{PREFIX}.min_speedup={study.min_speedup}: must be at least 1.0 (a speedup S >= 1)")
+    if study.loss_band <= 0:
+        errors.append(f"{PREFIX}.loss_band={study.loss_band}: must be above 0 (a fraction of the baseline's final loss)")
+    if errors:
+        raise StudyError(errors)
+    return study
+
+
+def judge(point: Point, baseline: Point, incumbent: Point, study: Study, threshold: float) -> Tuple[bool, str]:
+    """Is this candidate a win over the incumbent? (win, why). The quality gate first: a point
+    whose loss diverged or ended outside the band around the baseline's is never a win. The
+    speedup over the incumbent must reach ``threshold`` (max of min_speedup and 1 + the baseline's
+    noise) and beat the spread of the candidate's and the incumbent's own repeats."""
+    if point.status != tracking.STATUS_OK:
+        return False, f"{point.status}: {point.reason}" if point.reason else point.status
+    if point.diverged:
+        return False, f"rejected by the quality gate: diverged ({point.diverged})"
+    base_loss, loss = baseline.final_loss, point.final_loss
+    if base_loss is not None and loss is not None and abs(loss - base_loss) > study.loss_band * abs(base_loss):
+        return False, (f"rejected by the quality gate: final loss {loss:.4g} outside "
+                       f"{base_loss:.4g} +/- {study.loss_band:.0%}")
+    s_prev = results.speedup(incumbent.value, point.value, study.direction)
+    # the baseline's noise, or the two compared points' own spread when it is larger
+    threshold = max(threshold, 1.0 + point.spread, 1.0 + incumbent.spread)
+    if s_prev is None or s_prev < threshold:
+        return False, f"no win: S={results.fmt(s_prev, 3)} vs the incumbent, below {threshold:.3f}"
+    return True, f"win: S={s_prev:.3f} vs the incumbent (threshold {threshold:.3f})"
+
+
+class Runner:
+    """Points of a study: planned (pruned when infeasible), measured through the launcher, read
+    back from MLflow by config hash."""
+
+    def __init__(self, sweeper: Any, study: Study, info: Dict[str, str]):
+        self.sweeper, self.study, self.info = sweeper, study, info
+        self.uri, self.experiment = info["uri"], info["experiment"]
+        self.points: Dict[Tuple[Tuple[str, str], ...], Point] = {}
+        self.by_hash: Dict[str, Point] = {}
+        self.job_idx = 0
+        self.returns: List[Any] = []
+        self.launched = self.reused = self.pruned = 0
+
+    def compose(self, overrides: List[str]) -> DictConfig:
+        cfg = self.sweeper.hydra_context.config_loader.load_sweep_config(self.sweeper.config, list(overrides))
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
+    def point(self, assignment: Dict[str, str]) -> Point:
+        key = tuple(assignment.items())
+        if key in self.points:
+            return self.points[key]
+        overrides = self.study.overrides(assignment)
+        cfg = self.compose(overrides)
+        plan = trial.check(cfg)
+        known = self.by_hash.get(plan["config_hash"])
+        if known is not None:  # another spelling of a config already in the study
+            self.points[key] = known
+            return known
+        p = Point(plan["config_hash"], overrides)
+        p.labels = dict(assignment)
+        if plan["status"] != "ready":
+            # recorded in the sweep, never launched
+            p.status, p.reason = plan["status"], "; ".join(plan["reasons"])
+            with sweep.job_env(self.info):
+                p.run_ids = [trial.record_infeasible(cfg, overrides, plan["reasons"], plan["status"], plan["preflight"])]
+            self.pruned += 1
+            log.info("ovat: %s pruned (%s): %s", _label(assignment), p.status, p.reason)
+        self.points[key] = self.by_hash[p.config_hash] = p
+        return p
+
+    def _finished(self, p: Point) -> List[Any]:
+        tags = {"trial__config_hash": p.config_hash, "trial__status": tracking.STATUS_OK}
+        if not self.study.resume:
+            tags["sweep"] = self.info["id"]
+        return results.search(self.uri, self.experiment, results.tag_filter(**tags))
+
+    def _refresh(self, p: Point) -> int:
+        """Fill the point from MLflow; returns how many repeats are still missing."""
+        runs = self._finished(p)
+        usable = [r for r in runs if results.value(r, self.study.objective) is not None]
+        p.fill(self.uri, usable[: self.study.repeats], self.study.objective)
+        if runs and not usable:
+            p.status, p.reason = "failed", f"objective {self.study.objective} is not logged by its runs"
+            return 0
+        return self.study.repeats - len(p.run_ids)
+
+    def measure(self, points: Sequence[Point]) -> None:
+        """Finish every pending point: reuse finished runs, launch the missing repeats in one
+        batch (interleaved, so drift spreads over all candidates), read the results back."""
+        todo = [p for p in OrderedDict((id(p), p) for p in points).values() if p.status == "pending"]
+        need: Dict[int, int] = {}
+        for p in todo:
+            missing = self._refresh(p)
+            self.reused += len(p.run_ids)
+            if missing > 0:
+                need[id(p)] = missing
+            elif p.status == tracking.STATUS_OK:
+                log.info("ovat: %s already measured in MLflow (%d runs), not run again", _label(p.labels),
+                         len(p.run_ids))
+        batch: List[List[str]] = []
+        owners: List[Point] = []
+        for r in range(self.study.repeats):
+            for p in todo:
+                if need.get(id(p), 0) > r:
+                    batch.append(list(p.overrides))
+                    owners.append(p)
+        if not batch:
+            return
+        log.info("ovat: launching %d trial(s)", len(batch))
+        rets = self.sweeper.launcher.launch(batch, initial_job_idx=self.job_idx)
+        self.job_idx += len(batch)
+        self.launched += len(batch)
+        self.returns.append(rets)
+        errors = {id(p): err for p, err in ((p, _job_error(ret)) for p, ret in zip(owners, rets)) if err}
+        for p in todo:
+            if id(p) in need and self._refresh(p) > 0:
+                self._fail(p, errors.get(id(p)))
+
+    def _fail(self, p: Point, job_error: Optional[str]) -> None:
+        runs = results.search(self.uri, self.experiment,
+                              results.tag_filter(trial__config_hash=p.config_hash, sweep=self.info["id"]))
+        failed = [r for r in runs if results.status(r) != tracking.STATUS_OK]
+        if failed:
+            p.status = results.status(failed[0])
+            p.reason = failed[0].data.tags.get("trial.reason", "")
+        else:
+            p.status, p.reason = "crash", job_error or "no finished run came back"
+        if p.run_ids:
+            p.reason = f"{len(p.run_ids)} of {self.study.repeats} repeats finished; {p.reason}"
+        p.run_ids = [r.info.run_id for r in failed] or p.run_ids
+
+    def trial_seconds(self) -> float:
+        runs = results.search(self.uri, self.experiment, results.tag_filter(sweep=self.info["id"]))
+        return sum((r.info.end_time - r.info.start_time) / 1000.0 for r in runs
+                   if r.info.end_time and r.info.start_time)
+
+
+def _job_error(ret: Any) -> Optional[str]:
+    from hydra.core.utils import JobStatus
+
+    if getattr(ret, "status", None) == JobStatus.FAILED:
+        err = getattr(ret, "_return_value", None)
+        return f"the job failed: {type(err).__name__}: {err}".splitlines()[0]
+    return None
+
+
+def _label(assignment: Dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in assignment.items())
+
+
+def _row(step: int, pass_: int, variable: str, value: str, p: Point, baseline: Point, incumbent: Point,
+         study: Study, decision: str, adopted: bool) -> Dict[str, Any]:
+    return {
+        "step": step, "pass": pass_, "variable": variable, "value": value, "status": p.status,
+        "n": len(p.values), "objective": p.value, "values": list(p.values), "spread": p.spread,
+        "s_base": results.speedup(baseline.value, p.value, study.direction),
+        "s_prev": results.speedup(incumbent.value, p.value, study.direction),
+        "reference": incumbent.value, "reference_values": list(incumbent.values),
+        "reference_label": incumbent.labels.get(variable), "final_loss": p.final_loss, "decision": decision, "adopted": adopted,
+        "run_ids": list(p.run_ids), "config_hash": p.config_hash, "overrides": list(p.overrides),
+    }
+
+
+def descend(study: Study, runner: Runner) -> Dict[str, Any]:
+    """Coordinate descent; returns the tuning report's data (see orchestrator.report.render)."""
+    current = OrderedDict((k, v[0]) for k, v in study.variables.items())
+    keys = list(study.variables)
+    baseline = runner.point(dict(current))
+    first = [runner.point({**current, keys[0]: v}) for v in study.variables[keys[0]][1:]]
+    runner.measure([baseline, *first])  # one batch: the baseline's repeats and the first variable
+    rows: List[Dict[str, Any]] = []
+    noise = baseline.spread
+    threshold = max(study.min_speedup, 1.0 + noise)
+    incumbent = baseline
+    finalists: List[Tuple[str, Point]] = [("baseline", baseline)]
+    rows.append(_row(0, 0, "(baseline)", _label(current), baseline, baseline, baseline, study,
+                     "baseline" if baseline.status == tracking.STATUS_OK else f"{baseline.status}: {baseline.reason}",
+                     False))
+    outcome = "finished"
+    if baseline.status != tracking.STATUS_OK:
+        outcome = "baseline_failed"
+        log.error("ovat: the baseline did not finish (%s: %s); nothing to compare against", baseline.status,
+                  baseline.reason)
+    else:
+        log.info("ovat: baseline %s = %s over %d repeats, noise %.1f%%, a win needs S >= %.3f",
+                 study.objective, results.fmt(baseline.value), len(baseline.values), 100 * noise, threshold)
+    step = 0
+    for pass_ in range(1, study.passes + 1):
+        if outcome != "finished":
+            break
+        adopted_any = False
+        for key in keys:
+            cands = [(v, runner.point({**current, key: v})) for v in study.variables[key] if v != current[key]]
+            runner.measure([p for _, p in cands])
+            verdicts = [(v, p, *judge(p, baseline, incumbent, study, threshold)) for v, p in cands]
+            wins = [(v, p) for v, p, ok, _ in verdicts if ok]
+            winner = None
+            if wins:
+                winner = max(wins, key=lambda vp: results.speedup(incumbent.value, vp[1].value, study.direction))
+            for v, p, ok, why in verdicts:
+                step += 1
+                adopted = winner is not None and p is winner[1]
+                decision = f"adopted ({why})" if adopted else (f"{why}; a faster candidate won" if ok else why)
+                rows.append(_row(step, pass_, key, v, p, baseline, incumbent, study, decision, adopted))
+                log.info("ovat: [pass %d] %s=%s: %s=%s (S=%s vs baseline) -> %s", pass_, key, v, study.objective,
+                         results.fmt(p.value), results.fmt(rows[-1]["s_base"], 3), decision)
+            if winner is not None:
+                current[key] = winner[0]
+                incumbent = winner[1]
+                finalists.append((f"{key}={winner[0]}", winner[1]))
+                adopted_any = True
+        if not adopted_any:
+            break
+    final_overrides = study.overrides(dict(current))
+    helped = [f"{r['variable']}={r['value']}: S={results.fmt(r['s_prev'], 3)} over the incumbent, "
+              f"{results.fmt(r['s_base'], 3)} over the baseline" for r in rows if r["adopted"]]
+    did_not = [f"{r['variable']}={r['value']}: {r['decision']}" for r in rows[1:] if not r["adopted"]]
+    return {
+        "kind": "ovat", "study": study.name, "sweep": runner.info["id"], "experiment": runner.experiment,
+        "objective": study.objective, "direction": study.direction, "repeats": study.repeats,
+        "min_speedup": study.min_speedup, "loss_band": study.loss_band, "noise": noise, "threshold": threshold,
+        "outcome": outcome,
+        "variables": [{"key": k, "values": v} for k, v in study.variables.items()],
+        "fixed": study.fixed, "rows": rows,
+        "final": {"assignment": dict(current), "overrides": final_overrides, "command": results.command(final_overrides),
+                  "objective": incumbent.value, "s_total": results.speedup(baseline.value, incumbent.value, study.direction),
+                  "run_ids": list(incumbent.run_ids), "config_hash": incumbent.config_hash},
+        "helped": helped, "did_not_help": did_not,
+        "curves": {label: p.losses.get(p.run_ids[0], []) if p.run_ids else [] for label, p in finalists},
+        "trials": {"launched": runner.launched, "reused": runner.reused, "pruned": runner.pruned},
+    }
+
+
+def _fail_study(errors: List[str]) -> None:
+    """Bad input: one line per broken key, exit 2; the sweep's parent run is removed again."""
+    info = sweep.active()
+    if info is not None:
+        sweep.discard(info)
+    for line in errors:
+        print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _check_composes(study: Study, runner: Runner) -> None:
+    """Every candidate must compose (known key, existing preset, right type) before anything runs."""
+    base = {k: v[0] for k, v in study.variables.items()}
+    errors = []
+    for key, values in study.variables.items():
+        for v in values:
+            try:
+                runner.compose(study.overrides({**base, key: v}))
+            except Exception as err:  # noqa: BLE001 - Hydra's composition errors, reported per key
+                msg = " ".join(str(err).split("Config search path")[0].split())
+                errors.append(f"{PREFIX}.variables.{key}: candidate {v!r} does not compose: {msg[:300]}")
+    if errors:
+        _fail_study(errors)
+
+
+def run_study(sweeper: Any, arguments: List[str]) -> List[Any]:
+    """The sweeper's ``sweep()``: parse and check the study, descend, write the report."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    config = sweeper.config
+    choices = config.hydra.runtime.choices
+    name = str(sweeper.spec.get("study") or choices.get("sweep") or "ovat")
+    parser = OverridesParser.create(config_loader=sweeper.hydra_context.config_loader)
+    spec = {k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v) for k, v in sweeper.spec.items()}
+    try:
+        study = parse_study(spec, arguments, parser, name)
+    except StudyError as err:
+        _fail_study(err.errors)
+    info = sweep.active()
+    if info is None:
+        _fail_study(["tracking.enabled=false: the ovat sweeper reads every measurement back from MLflow; "
+                     "enable tracking (tracking.uri may point at any store)"])
+    runner = Runner(sweeper, study, info)
+    _check_composes(study, runner)
+    sweep_dir = Path(str(config.hydra.sweep.dir))
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(config, sweep_dir / "multirun.yaml")
+    c = tracking.client(info["uri"])
+    c.set_tag(info["parent_run_id"], "ovat.study", study.name)
+    log.info("ovat study %s: %s by %s (%s), %d repeat(s), variables %s", study.name, study.objective,
+             study.direction, "resuming from MLflow" if study.resume else "fresh", study.repeats,
+             ", ".join(f"{k}={','.join(v)}" for k, v in study.variables.items()))
+    t0 = time.perf_counter()
+    data = descend(study, runner)
+    data["trials"]["trial_seconds"] = runner.trial_seconds()
+    data["trials"]["wall_seconds"] = time.perf_counter() - t0
+    files = report.render(data, sweep_dir / "tuning_report")
+    report.attach(info["uri"], info["parent_run_id"], files, data)
+    final = data["final"]
+    log.info("ovat: %s -> %s=%s (S=%s over the baseline); %d trial(s) launched, %d reused, %d pruned",
+             data["outcome"], study.objective, results.fmt(final["objective"]), results.fmt(final["s_total"], 3),
+             runner.launched, runner.reused, runner.pruned)
+    log.info("ovat: best config: %s", final["command"])
+    log.info("ovat: report %s (and on the sweep's parent run %s)", files[0], info["parent_run_id"])
+    return runner.returns

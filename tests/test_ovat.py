@@ -1,0 +1,170 @@
+"""The OVAT sweeper end to end on the CPU (real trials, real MLflow), its decision rules, and its
+refusal of a broken study."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hydra.core.override_parser.overrides_parser import OverridesParser
+
+from orchestrator import report
+from orchestrator.results import Point
+from sweeps.ovat import Study, StudyError, judge, parse_study
+from tests.conftest import run_cli, search_runs
+
+# the shipped preset (micro-batch, precision) reshaped from the command line: micro-batches of 1
+# against one of 8 (8 accumulation steps against 1: a sure win), a learning rate that cannot reach
+# the baseline's loss in 8 steps (the quality gate), and a tensor-parallel size that does not
+# divide the model (pruned before launch)
+STUDY = ["-m", "+sweep=cpu_smoke", "+chip=cpu", "trainer.steps=8", "precision=fp32",
+         "trainer.micro_batch=1,8", "trainer.lr=0.003,0.00001", "parallel.tp=1,3"]
+
+
+def _parents(uri):
+    return [r for r in search_runs(uri) if "sweep.status" in r.data.tags]
+
+
+def _artifact(uri, run_id, path, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri).download_artifacts(run_id, path, str(tmp_path))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
+    uri = "sqlite:///" + str(tmp_path / "mlruns.db")
+    proc = run_cli(STUDY, cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (parent,) = _parents(uri)
+    tags = parent.data.tags
+    assert tags["sweep.sweeper"] == "ovat" and tags["ovat.study"] == "cpu_smoke"
+    assert parent.info.status == "FINISHED"
+    assert "trainer.micro_batch=8" in tags["tuning.command"] and "trainer.lr=0.003" in tags["tuning.command"]
+
+    data = json.loads(open(_artifact(uri, parent.info.run_id, "tuning_report.json", tmp_path)).read())
+    assert [v["key"] for v in data["variables"]] == ["trainer.micro_batch", "trainer.lr", "parallel.tp"]
+    assert data["final"]["assignment"] == {"trainer.micro_batch": "8", "trainer.lr": "0.003", "parallel.tp": "1"}
+    rows = {(r["variable"], r["value"]): r for r in data["rows"]}
+    base = rows[("(baseline)", "trainer.micro_batch=1 trainer.lr=0.003 parallel.tp=1")]
+    assert base["n"] == 2 and base["decision"] == "baseline"
+    mb8 = rows[("trainer.micro_batch", "8")]
+    assert mb8["adopted"] and mb8["decision"].startswith("adopted") and mb8["n"] == 2
+    # S = T_baseline / T, from the medians of the repeats
+    assert mb8["s_base"] == pytest.approx(base["objective"] / mb8["objective"])
+    slow_lr = rows[("trainer.lr", "1e-05")]
+    assert not slow_lr["adopted"] and "quality gate" in slow_lr["decision"]
+    tp3 = rows[("parallel.tp", "3")]
+    assert tp3["status"] == "infeasible" and tp3["n"] == 0 and "parallel.tp=3" in tp3["decision"]
+    assert data["trials"] == {**data["trials"], "launched": 6, "reused": 0, "pruned": 1}
+    assert data["trials"]["trial_seconds"] > 0
+
+    md = open(_artifact(uri, parent.info.run_id, "tuning_report.md", tmp_path)).read()
+    assert "## What helped" in md and "trainer.micro_batch=8" in md and "python -m orchestrator" in md
+    for name in ("objective_trainer.micro_batch.png", "objective_trainer.lr.png", "loss_curves.png"):
+        png = open(_artifact(uri, parent.info.run_id, f"plots/{name}", tmp_path), "rb").read()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n", name
+
+    trials = [r for r in search_runs(uri) if "trial.status" in r.data.tags]
+    assert sorted(r.data.tags["trial.status"] for r in trials) == ["finished"] * 6 + ["infeasible"]
+    for r in trials:
+        assert r.data.tags["mlflow.parentRunId"] == parent.info.run_id
+    (pruned,) = [r for r in trials if r.data.tags["trial.status"] == "infeasible"]
+    assert "loss" not in pruned.data.metrics  # recorded, never launched
+
+    # the same study again: every point is already finished in MLflow; nothing is launched
+    again = run_cli(STUDY, cwd=tmp_path, timeout=600)
+    assert again.returncode == 0, again.stderr[-4000:]
+    second = next(p for p in _parents(uri) if p.info.run_id != parent.info.run_id)
+    data2 = json.loads(open(_artifact(uri, second.info.run_id, "tuning_report.json", tmp_path / "2")).read())
+    assert data2["trials"]["launched"] == 0 and data2["trials"]["reused"] == 6
+    assert data2["final"]["assignment"] == data["final"]["assignment"]
+    finished = [r for r in search_runs(uri) if r.data.tags.get("trial.status") == "finished"]
+    assert len(finished) == 6
+
+    # orchestrator.report renders the stored report of a sweep again
+    out = tmp_path / "report"
+    assert report.main(["--experiment", "default", "--tracking-uri", uri, "--sweep", tags["sweep"],
+                        "--out", str(out)]) == 0
+    assert "trainer.micro_batch" in (out / "tuning_report.md").read_text()
+    assert (out / "loss_curves.png").is_file()
+
+
+def _study(**kw) -> Study:
+    return Study(name="t", variables={"a": ["1", "2"]}, fixed=[], **kw)
+
+
+def _point(values, final_losses, losses=(5.0, 3.0), status="finished") -> Point:
+    p = Point("h", status=status)
+    p.values, p.final_losses = list(values), list(final_losses)
+    from orchestrator.results import diverged
+
+    p.diverged = diverged(list(losses), final_losses[0] if final_losses else None)
+    return p
+
+
+def test_a_win_must_beat_the_threshold_and_both_points_noise():
+    study = _study(min_speedup=1.05)
+    base = _point([1.0, 1.0], [3.0, 3.0])
+    assert judge(_point([0.90, 0.90], [3.0, 3.0]), base, base, study, 1.05)[0]  # S = 1.11
+    assert not judge(_point([0.97, 0.97], [3.0, 3.0]), base, base, study, 1.05)[0]  # S = 1.03 < 1.05
+    # S = 1.11, but the candidate's own repeats spread by 20%: not a measured win
+    ok, why = judge(_point([0.8, 1.0], [3.0, 3.0]), base, base, study, 1.05)
+    assert not ok and "no win" in why
+    # maximize: S = value / value_incumbent
+    up = _study(direction="maximize", min_speedup=1.05)
+    assert judge(_point([1.2, 1.2], [3.0, 3.0]), base, base, up, 1.05)[0]
+    assert not judge(_point([0.9, 0.9], [3.0, 3.0]), base, base, up, 1.05)[0]
+
+
+def test_the_quality_gate_rejects_fast_points_that_lose_quality():
+    study = _study(loss_band=0.05)
+    base = _point([1.0, 1.0], [3.0, 3.0])
+    ok, why = judge(_point([0.5, 0.5], [3.3, 3.3]), base, base, study, 1.02)  # 10% worse loss
+    assert not ok and "quality gate" in why
+    ok, why = judge(_point([0.5, 0.5], [6.0, 6.0], losses=(5.0, 6.0)), base, base, study, 1.02)
+    assert not ok and "diverged" in why
+    ok, why = judge(_point([0.5, 0.5], [math.nan, math.nan], losses=(5.0, math.nan)), base, base, study, 1.02)
+    assert not ok and "diverged" in why
+    failed = _point([], [], status="oom")
+    failed.reason = "CUDA out of memory"
+    assert judge(failed, base, base, study, 1.02) == (False, "oom: CUDA out of memory")
+
+
+def test_the_study_takes_the_preset_then_the_command_line():
+    parser = OverridesParser.create()
+    spec = {"variables": {"trainer.micro_batch": [2, 8], "precision": "fp32,bf16", "comm.overlap": [True, False]},
+            "objective": "tokens_per_s_median", "direction": "maximize", "repeats": 3, "min_speedup": 1.1,
+            "loss_band": 0.02, "passes": 2, "resume": False}
+    study = parse_study(spec, ["+chip=cpu", "precision=bf16", "comm.bucket_mb=10,50", "trainer.micro_batch=4,8"],
+                        parser, "s")
+    # precision is fixed on the command line; micro_batch's candidates replaced in place; bucket_mb appended
+    assert list(study.variables.items()) == [("trainer.micro_batch", ["4", "8"]), ("comm.overlap", ["true", "false"]),
+                                             ("comm.bucket_mb", ["10", "50"])]
+    assert study.fixed == ["+chip=cpu", "precision=bf16"]
+    assert (study.objective, study.direction, study.repeats, study.passes, study.resume) == \
+        ("tokens_per_s_median", "maximize", 3, 2, False)
+    assert study.overrides({"a": "1"}) == ["+chip=cpu", "precision=bf16", "a=1"]
+
+
+def test_a_broken_study_names_every_key():
+    parser = OverridesParser.create()
+    with pytest.raises(StudyError) as err:
+        parse_study({"variables": {"precision": ["fp32"]}, "objective": "", "direction": "down", "repeats": 0,
+                     "min_speedup": 0.5, "loss_band": 0, "passes": 0}, ["trainer.lr=interval(0,1)"], parser, "s")
+    text = "\n".join(err.value.errors)
+    for key in ("hydra.sweeper.variables.precision", "hydra.sweeper.objective", "hydra.sweeper.direction=down",
+                "hydra.sweeper.repeats=0", "hydra.sweeper.min_speedup=0.5", "hydra.sweeper.loss_band=0",
+                "hydra.sweeper.passes=0", "trainer.lr=interval(0,1)"):
+        assert key in text, key
+
+
+def test_a_broken_study_exits_2_and_leaves_no_run(tmp_path):
+    uri = "sqlite:///" + str(tmp_path / "mlruns.db")
+    proc = run_cli(["-m", "+sweep=cpu_smoke", "precision=fp32,fp64"], cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "error: hydra.sweeper.variables.precision: candidate 'fp64' does not compose" in proc.stderr
+    assert search_runs(uri) == []  # the sweep's parent run is removed again; no trial was recorded
+    proc = run_cli(["-m", "hydra/sweeper=ovat"], cwd=tmp_path)
+    assert proc.returncode == 2 and "error: hydra.sweeper.variables: the study has no variables" in proc.stderr
