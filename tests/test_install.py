@@ -22,6 +22,8 @@ def test_wheel_install_runs_from_another_directory(tmp_path):
                    check=True, capture_output=True)
     assert (target / "orchestrator" / "conf" / "chip" / "ascend910b.yaml").is_file()
     assert (target / "hydra_plugins" / "ray_launcher" / "ray_launcher.py").is_file()
+    assert (target / "hydra_plugins" / "ovat_sweeper" / "ovat_sweeper.py").is_file()
+    assert (target / "orchestrator" / "conf" / "sweep" / "cpu_smoke.yaml").is_file()
     assert not (target / "hydra_plugins" / "__init__.py").exists()  # a namespace package, as Hydra expects
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     env["PYTHONPATH"] = str(target)  # the installed copy only, not the repository
@@ -37,3 +39,8 @@ def test_wheel_install_runs_from_another_directory(tmp_path):
                                "--package", "hydra.launcher"], cwd=work, env=env, capture_output=True, text=True,
                               timeout=120)
     assert launcher.returncode == 0 and "hydra_plugins.ray_launcher.ray_launcher.RayLauncher" in launcher.stdout
+    sweeper = subprocess.run([sys.executable, "-m", "orchestrator", "+sweep=cpu_smoke", "--cfg", "hydra",
+                              "--package", "hydra.sweeper"], cwd=work, env=env, capture_output=True, text=True,
+                             timeout=120)
+    assert sweeper.returncode == 0 and "hydra_plugins.ovat_sweeper.ovat_sweeper.OvatSweeper" in sweeper.stdout
+    assert "trainer.micro_batch" in sweeper.stdout
