@@ -95,7 +95,8 @@ def experiment_yaml(uri: str, best: Dict[str, Any], stem: str) -> str:
             f"# The best config of experiment {best['experiment']} by {best['objective']} ({best['direction']}): "
             f"{fmt(best['value'])}, run {best['run_id']}\n"
             f"# (config hash {best['config_hash']}); written by python -m orchestrator.best.\n"
-            f"# Run it: python -m orchestrator --config-dir DIR +experiment={stem}  (this file: DIR/experiment/{stem}.yaml)\n")
+            f"# Run it: python -m orchestrator --config-dir DIR +experiment={stem}"
+            f"  (this file: DIR/experiment/{stem}.yaml)\n")
     return head + OmegaConf.to_yaml(body)
 
 
@@ -108,7 +109,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--sweep", help="only this sweep's trials (its id, the sweep tag)")
     ap.add_argument("--chip", help="only trials on this chip (tag chip)")
     ap.add_argument("--model", help="only trials of this model (tag model)")
-    ap.add_argument("--status", default=tracking.STATUS_OK, help="trial.status of the runs considered (default finished)")
+    ap.add_argument("--status", default=tracking.STATUS_OK,
+                    help="trial.status of the runs considered (default finished)")
     ap.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     ap.add_argument("--json", action="store_true", help="print the best as JSON")
     ap.add_argument("--write", metavar="PATH", help="save the best config as a Hydra config (DIR/experiment/NAME.yaml)")

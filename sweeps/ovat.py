@@ -128,7 +128,8 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
     if study.min_speedup < 1.0:
         errors.append(f"{PREFIX}.min_speedup={study.min_speedup}: must be at least 1.0 (a speedup S >= 1)")
     if study.loss_band <= 0:
-        errors.append(f"{PREFIX}.loss_band={study.loss_band}: must be above 0 (a fraction of the baseline's final loss)")
+        errors.append(f"{PREFIX}.loss_band={study.loss_band}: must be above 0 "
+                      "(a fraction of the baseline's final loss)")
     if errors:
         raise StudyError(errors)
     return study
@@ -191,7 +192,8 @@ class Runner:
             # recorded in the sweep, never launched
             p.status, p.reason = plan["status"], "; ".join(plan["reasons"])
             with sweep.job_env(self.info):
-                p.run_ids = [trial.record_infeasible(cfg, overrides, plan["reasons"], plan["status"], plan["preflight"])]
+                run_id = trial.record_infeasible(cfg, overrides, plan["reasons"], plan["status"], plan["preflight"])
+            p.run_ids = [run_id]
             self.pruned += 1
             log.info("ovat: %s pruned (%s): %s", _label(assignment), p.status, p.reason)
         self.points[key] = self.by_hash[p.config_hash] = p
@@ -285,7 +287,8 @@ def _row(step: int, pass_: int, variable: str, value: str, p: Point, baseline: P
         "s_base": results.speedup(baseline.value, p.value, study.direction),
         "s_prev": results.speedup(incumbent.value, p.value, study.direction),
         "reference": incumbent.value, "reference_values": list(incumbent.values),
-        "reference_label": incumbent.labels.get(variable), "final_loss": p.final_loss, "decision": decision, "adopted": adopted,
+        "reference_label": incumbent.labels.get(variable), "final_loss": p.final_loss, "decision": decision,
+        "adopted": adopted,
         "run_ids": list(p.run_ids), "config_hash": p.config_hash, "overrides": list(p.overrides),
     }
 
@@ -351,8 +354,9 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
         "outcome": outcome,
         "variables": [{"key": k, "values": v} for k, v in study.variables.items()],
         "fixed": study.fixed, "rows": rows,
-        "final": {"assignment": dict(current), "overrides": final_overrides, "command": results.command(final_overrides),
-                  "objective": incumbent.value, "s_total": results.speedup(baseline.value, incumbent.value, study.direction),
+        "final": {"assignment": dict(current), "overrides": final_overrides,
+                  "command": results.command(final_overrides), "objective": incumbent.value,
+                  "s_total": results.speedup(baseline.value, incumbent.value, study.direction),
                   "run_ids": list(incumbent.run_ids), "config_hash": incumbent.config_hash},
         "helped": helped, "did_not_help": did_not,
         "curves": {label: p.losses.get(p.run_ids[0], []) if p.run_ids else [] for label, p in finalists},

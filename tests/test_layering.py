@@ -37,3 +37,22 @@ def test_orchestrator_uses_only_the_worker_entry_of_trainers():
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainers"):
                 names = {(node.module, a.name) for a in node.names}
                 assert names <= ALLOWED_FROM_TRAINERS, (path, names)
+
+
+def test_the_control_plane_does_not_import_search_strategies():
+    # sweeps/ builds on orchestrator/ (planner, tracking, reports), never the other way round
+    for path in (ROOT / "orchestrator").rglob("*.py"):
+        assert "sweeps" not in _imports(path), path
+
+
+def test_hydra_plugin_shims_import_nothing_heavy_at_module_level():
+    # Hydra imports every plugin module at start-up, for every command
+    for path in (ROOT / "hydra_plugins").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = set()
+        for node in tree.body:
+            if isinstance(node, ast.Import):
+                top.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                top.add(node.module.split(".")[0])
+        assert top <= {"dataclasses", "typing", "hydra"}, (path, top)

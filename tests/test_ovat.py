@@ -11,7 +11,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from orchestrator import report
 from orchestrator.results import Point
 from sweeps.ovat import Study, StudyError, judge, parse_study
-from tests.conftest import run_cli, search_runs
+from tests.conftest import ROOT, run_cli, search_runs
 
 # the shipped preset (micro-batch, precision) reshaped from the command line: micro-batches of 1
 # against one of 8 (8 accumulation steps against 1: a sure win), a learning rate that cannot reach
@@ -168,3 +168,92 @@ def test_a_broken_study_exits_2_and_leaves_no_run(tmp_path):
     assert search_runs(uri) == []  # the sweep's parent run is removed again; no trial was recorded
     proc = run_cli(["-m", "hydra/sweeper=ovat"], cwd=tmp_path)
     assert proc.returncode == 2 and "error: hydra.sweeper.variables: the study has no variables" in proc.stderr
+
+
+class TableRunner:
+    """Coordinate descent driven by a table of known objectives (the descent's logic alone; the
+    real runner is exercised end to end above): assignment -> (step time, final loss) or a status."""
+
+    def __init__(self, table):
+        self.table, self.batches, self.points = table, [], {}
+        self.info, self.experiment = {"id": "s"}, "e"
+        self.launched = self.reused = self.pruned = 0
+
+    def point(self, assignment):
+        key = tuple(sorted(assignment.items()))
+        if key not in self.points:
+            p = Point(str(key), overrides=[f"{k}={v}" for k, v in assignment.items()])
+            p.labels = dict(assignment)
+            self.points[key] = p
+        return self.points[key]
+
+    def measure(self, points):
+        batch = [p for p in points if p.status == "pending"]
+        self.batches.append([p.labels for p in batch])
+        for p in batch:
+            got = self.table[tuple(sorted(p.labels.items()))]
+            if isinstance(got, str):
+                p.status, p.reason = got, "planner"
+                continue
+            t, loss = got
+            p.status, p.values, p.final_losses = "finished", [t, t], [loss, loss]
+            p.run_ids, p.losses = [p.config_hash], {p.config_hash: [5.0, loss]}
+
+
+def _table(**entries):
+    return {tuple(sorted(dict(kv.split("=") for kv in k.split("__")).items())): v for k, v in entries.items()}
+
+
+def test_coordinate_descent_adopts_winners_in_order_and_makes_another_pass():
+    from sweeps.ovat import descend
+
+    # b=2 only pays off once a=2 is adopted: the second pass finds it
+    table = _table(**{"a=1__b=1": (1.0, 3.0), "a=2__b=1": (0.5, 3.0), "a=3__b=1": "infeasible",
+                      "a=2__b=2": (0.25, 3.0), "a=1__b=2": (1.5, 3.0), "a=3__b=2": (9.0, 3.0)})
+    study = Study(name="t", variables={"b": ["1", "2"], "a": ["1", "2", "3"]}, fixed=["+x=y"], passes=3)
+    # b first: b=2 loses against a=1 (1.5 > 1.0); then a=2 wins; the second pass tries b=2 again
+    runner = TableRunner(table)
+    data = descend(study, runner)
+    assert runner.batches[0] == [{"b": "1", "a": "1"}, {"b": "2", "a": "1"}]  # baseline + first variable
+    assert data["final"]["assignment"] == {"b": "2", "a": "2"}
+    assert data["final"]["overrides"] == ["+x=y", "b=2", "a=2"]
+    assert data["final"]["s_total"] == pytest.approx(4.0)
+    decisions = [(r["pass"], r["variable"], r["value"], r["adopted"]) for r in data["rows"]]
+    assert decisions == [(0, "(baseline)", "b=1 a=1", False), (1, "b", "2", False), (1, "a", "2", True),
+                         (1, "a", "3", False), (2, "b", "2", True), (2, "a", "1", False), (2, "a", "3", False),
+                         (3, "b", "1", False), (3, "a", "1", False), (3, "a", "3", False)]
+    assert data["rows"][3]["decision"].startswith("infeasible")
+    assert len(data["helped"]) == 2 and list(data["curves"]) == ["baseline", "a=2", "b=2"]
+
+
+def test_a_failed_baseline_ends_the_study_with_nothing_adopted():
+    from sweeps.ovat import descend
+
+    runner = TableRunner(_table(**{"a=1": "oom", "a=2": (0.5, 3.0)}))
+    data = descend(Study(name="t", variables={"a": ["1", "2"]}, fixed=[]), runner)
+    assert data["outcome"] == "baseline_failed" and data["final"]["assignment"] == {"a": "1"}
+    assert len(data["rows"]) == 1 and data["rows"][0]["decision"].startswith("oom")
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (ROOT / "conf" / "sweep").glob("*.yaml")))
+def test_every_sweep_preset_selects_ovat_and_each_candidate_composes(preset):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from orchestrator import conf_dir
+    from orchestrator.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=[f"+sweep={preset}"], return_hydra_config=True)
+            sweeper = cfg.hydra.sweeper
+            assert sweeper._target_ == "hydra_plugins.ovat_sweeper.ovat_sweeper.OvatSweeper"
+            assert len(sweeper.variables) >= 2 and sweeper.repeats >= 2
+            for key, values in sweeper.variables.items():
+                assert len(values) >= 2, key
+                for v in values:
+                    compose("config", overrides=[f"+sweep={preset}", f"{key}={v}"])
+    finally:
+        GlobalHydra.instance().clear()
