@@ -15,10 +15,10 @@ from tests.conftest import ROOT, run_cli, search_runs
 
 # the shipped preset (micro-batch, precision) reshaped from the command line: micro-batches of 1
 # against one of 8 (8 accumulation steps against 1: a sure win), a learning rate that cannot reach
-# the baseline's loss in 8 steps (the quality gate), and a tensor-parallel size that does not
-# divide the model (pruned before launch)
-STUDY = ["-m", "+sweep=cpu_smoke", "+chip=cpu", "trainer.steps=8", "precision=fp32",
-         "trainer.micro_batch=1,8", "trainer.lr=0.003,0.00001", "parallel.tp=1,3"]
+# the baseline's loss in 8 steps (the quality gate), a tensor-parallel size that does not divide
+# the model (pruned before launch), and a fault drill that kills rank 0 at step 2 (a crash)
+STUDY = ["-m", "+sweep=cpu_smoke", "+chip=cpu", "trainer.steps=8", "precision=fp32", "trainer.fault.kill_rank=0",
+         "trainer.micro_batch=1,8", "trainer.lr=0.003,0.00001", "parallel.tp=1,3", "trainer.fault.at_step=-1,2"]
 
 
 def _parents(uri):
@@ -44,10 +44,12 @@ def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
     assert "trainer.micro_batch=8" in tags["tuning.command"] and "trainer.lr=0.003" in tags["tuning.command"]
 
     data = json.loads(open(_artifact(uri, parent.info.run_id, "tuning_report.json", tmp_path)).read())
-    assert [v["key"] for v in data["variables"]] == ["trainer.micro_batch", "trainer.lr", "parallel.tp"]
-    assert data["final"]["assignment"] == {"trainer.micro_batch": "8", "trainer.lr": "0.003", "parallel.tp": "1"}
+    assert [v["key"] for v in data["variables"]] == ["trainer.micro_batch", "trainer.lr", "parallel.tp",
+                                                     "trainer.fault.at_step"]
+    assert data["final"]["assignment"] == {"trainer.micro_batch": "8", "trainer.lr": "0.003", "parallel.tp": "1",
+                                           "trainer.fault.at_step": "-1"}
     rows = {(r["variable"], r["value"]): r for r in data["rows"]}
-    base = rows[("(baseline)", "trainer.micro_batch=1 trainer.lr=0.003 parallel.tp=1")]
+    base = rows[("(baseline)", "trainer.micro_batch=1 trainer.lr=0.003 parallel.tp=1 trainer.fault.at_step=-1")]
     assert base["n"] == 2 and base["decision"] == "baseline"
     mb8 = rows[("trainer.micro_batch", "8")]
     assert mb8["adopted"] and mb8["decision"].startswith("adopted") and mb8["n"] == 2
@@ -57,7 +59,9 @@ def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
     assert not slow_lr["adopted"] and "quality gate" in slow_lr["decision"]
     tp3 = rows[("parallel.tp", "3")]
     assert tp3["status"] == "infeasible" and tp3["n"] == 0 and "parallel.tp=3" in tp3["decision"]
-    assert data["trials"] == {**data["trials"], "launched": 6, "reused": 0, "pruned": 1}
+    crashed = rows[("trainer.fault.at_step", "2")]  # recorded with its status and reason; the study went on
+    assert crashed["status"] == "crash" and crashed["decision"].startswith("crash: rank 0") and not crashed["adopted"]
+    assert data["trials"] == {**data["trials"], "launched": 8, "reused": 0, "pruned": 1}
     assert data["trials"]["trial_seconds"] > 0
 
     md = open(_artifact(uri, parent.info.run_id, "tuning_report.md", tmp_path)).read()
@@ -67,18 +71,18 @@ def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n", name
 
     trials = [r for r in search_runs(uri) if "trial.status" in r.data.tags]
-    assert sorted(r.data.tags["trial.status"] for r in trials) == ["finished"] * 6 + ["infeasible"]
+    assert sorted(r.data.tags["trial.status"] for r in trials) == ["crash"] * 2 + ["finished"] * 6 + ["infeasible"]
     for r in trials:
         assert r.data.tags["mlflow.parentRunId"] == parent.info.run_id
     (pruned,) = [r for r in trials if r.data.tags["trial.status"] == "infeasible"]
     assert "loss" not in pruned.data.metrics  # recorded, never launched
 
-    # the same study again: every point is already finished in MLflow; nothing is launched
+    # the same study again: every finished point is reused from MLflow; only the crashed one runs again
     again = run_cli(STUDY, cwd=tmp_path, timeout=600)
     assert again.returncode == 0, again.stderr[-4000:]
     second = next(p for p in _parents(uri) if p.info.run_id != parent.info.run_id)
     data2 = json.loads(open(_artifact(uri, second.info.run_id, "tuning_report.json", tmp_path / "2")).read())
-    assert data2["trials"]["launched"] == 0 and data2["trials"]["reused"] == 6
+    assert data2["trials"]["launched"] == 2 and data2["trials"]["reused"] == 6
     assert data2["final"]["assignment"] == data["final"]["assignment"]
     finished = [r for r in search_runs(uri) if r.data.tags.get("trial.status") == "finished"]
     assert len(finished) == 6
