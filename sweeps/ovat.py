@@ -35,6 +35,9 @@ from orchestrator.results import Point
 
 log = logging.getLogger("orchestrator")
 PREFIX = "hydra.sweeper"
+# metrics whose better direction is known: True when lower is better
+LOWER_IS_BETTER = {"step_time_median_s": True, "peak_mem_gb": True, "final_loss": True,
+                   "tokens_per_s_median": False, "mfu": False}
 
 
 class StudyError(ValueError):
@@ -132,6 +135,10 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
                       "(a fraction of the baseline's final loss)")
     if errors:
         raise StudyError(errors)
+    expected = LOWER_IS_BETTER.get(study.objective)
+    if expected is not None and expected != (study.direction == "minimize"):
+        log.warning("ovat: hydra.sweeper.direction=%s for %s, which is better %s: is that what you mean?",
+                    study.direction, study.objective, "lower" if expected else "higher")
     return study
 
 
