@@ -56,8 +56,7 @@ def trial_seconds(uri, experiment):
 
     runs = results.search(uri, experiment)
     launched = [r for r in runs if r.data.tags.get("trial.status") not in ("infeasible", "unsupported_op")]
-    secs = sum((r.info.end_time - r.info.start_time) / 1000.0 for r in launched if r.info.end_time)
-    return len(launched), len(runs) - len(launched), secs
+    return len(launched), len(runs) - len(launched), results.run_seconds(launched)
 
 
 def main():
@@ -68,6 +67,7 @@ def main():
     ap.add_argument("--keep", help="work in this folder (default: a temporary one)")
     args = ap.parse_args()
     from orchestrator import best, results
+    from orchestrator import report as report_mod
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="ovat_vs_grid_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -82,7 +82,7 @@ def main():
 
     ranked = best.rank(uri, "grid", OBJECTIVE)
     grid_best = best.describe(uri, OBJECTIVE, "minimize", ranked["candidates"][0], "grid")
-    parent = next(r for r in results.search(uri, "ovat", trials_only=False) if "sweep.status" in r.data.tags)
+    parent = report_mod.find_parent(uri, "ovat", None)
     report = json.loads(results.artifact_text(uri, parent.info.run_id, "tuning_report.json"))
     final = report["final"]
 

@@ -233,18 +233,8 @@ def from_trials(uri: str, experiment: str, sweep_id: str, objective: str, direct
     noise = baseline.spread
     threshold = max(min_speedup, 1.0 + noise)
 
-    def gate(p: Point) -> Optional[str]:
-        if p.status != tracking.STATUS_OK:
-            return f"{p.status}: {p.reason}" if p.reason else p.status
-        if p.diverged:
-            return f"rejected by the quality gate: diverged ({p.diverged})"
-        if baseline.final_loss is not None and p.final_loss is not None and \
-                abs(p.final_loss - baseline.final_loss) > loss_band * abs(baseline.final_loss):
-            return (f"rejected by the quality gate: final loss {p.final_loss:.4g} outside "
-                    f"{baseline.final_loss:.4g} +/- {loss_band:.0%}")
-        return None
-
-    eligible = [p for p in points if gate(p) is None]
+    gates = {id(p): results.quality_gate(p, baseline, loss_band) for p in points}
+    eligible = [p for p in points if gates[id(p)] is None]
     best = None
     for p in eligible:
         if best is None or results.better(p.value, best.value, direction):
@@ -253,7 +243,7 @@ def from_trials(uri: str, experiment: str, sweep_id: str, objective: str, direct
     for i, p in enumerate(points):
         changed = [k for k in keys if p.labels.get(k) != baseline.labels.get(k)]
         s_base = results.speedup(baseline.value, p.value, direction)
-        why = gate(p)
+        why = gates[id(p)]
         if i == 0:
             decision = "baseline" if why is None else why
         elif why:
@@ -282,7 +272,6 @@ def from_trials(uri: str, experiment: str, sweep_id: str, objective: str, direct
                                  "adopted": r["adopted"] and r["step"] != 0})
     final_p = best or baseline
     pruned = sum(results.status(r) in ("infeasible", "unsupported_op") for r in runs)
-    t_seconds = sum((r.info.end_time - r.info.start_time) / 1000.0 for r in runs if r.info.end_time)
     curves = OrderedDict([("baseline", baseline.losses.get(baseline.run_ids[0], []) if baseline.values else [])])
     if best is not None and best is not baseline:
         curves["best: " + " ".join(f"{k}={best.labels.get(k)}" for k in keys)] = best.losses.get(best.run_ids[0], [])
@@ -299,7 +288,8 @@ def from_trials(uri: str, experiment: str, sweep_id: str, objective: str, direct
                   "s_total": results.speedup(baseline.value, final_p.value, direction),
                   "run_ids": list(final_p.run_ids), "config_hash": final_p.config_hash},
         "helped": helped, "did_not_help": did_not, "curves": curves,
-        "trials": {"launched": len(runs) - pruned, "reused": 0, "pruned": pruned, "trial_seconds": t_seconds},
+        "trials": {"launched": len(runs) - pruned, "reused": 0, "pruned": pruned,
+                   "trial_seconds": results.run_seconds(runs)},
     }
 
 

@@ -158,6 +158,24 @@ def artifact_text(uri: str, run_id: str, path: str) -> str:
         return Path(tracking.client(uri).download_artifacts(run_id, path, tmp)).read_text()
 
 
+def quality_gate(point: "Point", baseline: "Point", loss_band: float) -> Optional[str]:
+    """Why a point can never be a win, however fast (it did not finish, its loss diverged, or its
+    median final loss is outside ``loss_band`` of the baseline's); None when it passes."""
+    if point.status != tracking.STATUS_OK:
+        return f"{point.status}: {point.reason}" if point.reason else point.status
+    if point.diverged:
+        return f"rejected by the quality gate: diverged ({point.diverged})"
+    base, loss = baseline.final_loss, point.final_loss
+    if base is not None and loss is not None and abs(loss - base) > loss_band * abs(base):
+        return f"rejected by the quality gate: final loss {loss:.4g} outside {base:.4g} +/- {loss_band:.0%}"
+    return None
+
+
+def run_seconds(runs: Iterable[Any]) -> float:
+    """Trial-seconds: the summed wall time of these runs (ended ones)."""
+    return sum((r.info.end_time - r.info.start_time) / 1000.0 for r in runs if r.info.end_time and r.info.start_time)
+
+
 def overrides_of(uri: str, run: Any) -> List[str]:
     """The overrides a run was launched with (its ``overrides.txt``; the run name as a fallback)."""
     try:

@@ -147,14 +147,9 @@ def judge(point: Point, baseline: Point, incumbent: Point, study: Study, thresho
     whose loss diverged or ended outside the band around the baseline's is never a win. The
     speedup over the incumbent must reach ``threshold`` (max of min_speedup and 1 + the baseline's
     noise) and beat the spread of the candidate's and the incumbent's own repeats."""
-    if point.status != tracking.STATUS_OK:
-        return False, f"{point.status}: {point.reason}" if point.reason else point.status
-    if point.diverged:
-        return False, f"rejected by the quality gate: diverged ({point.diverged})"
-    base_loss, loss = baseline.final_loss, point.final_loss
-    if base_loss is not None and loss is not None and abs(loss - base_loss) > study.loss_band * abs(base_loss):
-        return False, (f"rejected by the quality gate: final loss {loss:.4g} outside "
-                       f"{base_loss:.4g} +/- {study.loss_band:.0%}")
+    why = results.quality_gate(point, baseline, study.loss_band)
+    if why:
+        return False, why
     s_prev = results.speedup(incumbent.value, point.value, study.direction)
     # the baseline's noise, or the two compared points' own spread when it is larger
     threshold = max(threshold, 1.0 + point.spread, 1.0 + incumbent.spread)
@@ -268,9 +263,7 @@ class Runner:
         p.run_ids = [r.info.run_id for r in failed] or p.run_ids
 
     def trial_seconds(self) -> float:
-        runs = results.search(self.uri, self.experiment, results.tag_filter(sweep=self.info["id"]))
-        return sum((r.info.end_time - r.info.start_time) / 1000.0 for r in runs
-                   if r.info.end_time and r.info.start_time)
+        return results.run_seconds(results.search(self.uri, self.experiment, results.tag_filter(sweep=self.info["id"])))
 
 
 def _job_error(ret: Any) -> Optional[str]:
