@@ -28,18 +28,19 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from orchestrator import conf_dir, trial  # noqa: E402
 from orchestrator.config import register_configs  # noqa: E402
 from trainers.loop import train  # noqa: E402
-from trainers.model import GPT, ModelArgs, cross_entropy  # noqa: E402
+from trainers.config import TrialSpec  # noqa: E402
+from trainers.model import GPT, cross_entropy  # noqa: E402
 
 
-def plain_loop(spec: dict, steps: int, warmup: int) -> float:
+def plain_loop(spec: TrialSpec, steps: int, warmup: int) -> float:
     """Median step time of the simplest loop that trains the same model on the same shapes."""
-    t = spec["trainer"]
-    torch.manual_seed(t["seed"])
-    model = GPT(ModelArgs.from_dict(spec["model"]))
-    opt = torch.optim.AdamW(model.parameters(), lr=t["lr"], foreach=True)
-    accum = t["global_batch"] // t["micro_batch"]
-    vocab = spec["model"]["vocab_size"]
-    batches = [torch.randint(0, vocab, (t["micro_batch"], t["seq_len"] + 1)) for _ in range(accum)]
+    t = spec.trainer
+    torch.manual_seed(t.seed)
+    model = GPT(spec.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, foreach=True)
+    accum = t.global_batch // t.micro_batch
+    vocab = spec.model.vocab_size
+    batches = [torch.randint(0, vocab, (t.micro_batch, t.seq_len + 1)) for _ in range(accum)]
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()

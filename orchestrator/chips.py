@@ -14,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import conf_dir
 from orchestrator.config import ChipConfig
+from trainers.config import RuntimeConfig
 
 # CUDA device names (torch.cuda.get_device_name) to presets; first match wins
 _CUDA_PRESETS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
@@ -112,30 +113,32 @@ def visible_devices(chip: DictConfig) -> Optional[int]:
     return None
 
 
-def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> Dict[str, Any]:
+def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> RuntimeConfig:
     """What the workers need to know of the chip: device, backend, plugin and environment.
 
     An emulated chip keeps its plan (its name, peak figures for MFU, env for the record) but
     runs on CPU with gloo.
     """
+    # the chip preset's defaults, then what the comm section says (its buffer size and timeout
+    # are keys of their own and win over the preset's env), then comm.env, the user's explicit word
     env: Dict[str, str] = {k: str(v) for k, v in chip.env.items()}
     backend = "gloo" if chip.emulate else chip.dist_backend
     # communication-buffer size for the backend that will really run
     if chip.dist_backend == "hccl":
-        env.setdefault("HCCL_BUFFSIZE", str(comm.buffsize_mb))
-        env.setdefault("HCCL_CONNECT_TIMEOUT", str(int(comm.timeout_s)))
+        env["HCCL_BUFFSIZE"] = str(comm.buffsize_mb)
+        env["HCCL_CONNECT_TIMEOUT"] = str(int(comm.timeout_s))
     elif chip.dist_backend == "nccl":
         # NCCL allocates this per channel and per peer: MiB, not HCCL's per-communicator MB
-        env.setdefault("NCCL_BUFFSIZE", str(int(float(comm.nccl_buffsize_mb) * 1024 * 1024)))
+        env["NCCL_BUFFSIZE"] = str(int(float(comm.nccl_buffsize_mb) * 1024 * 1024))
     env.update({k: str(v) for k, v in comm.env.items()})
     peak = float(chip.peak_tflops.get(compute_dtype, chip.peak_tflops.get("fp32", 0.0)))
-    return {
-        "device_type": "cpu" if chip.emulate else chip.device_type,
-        "backend": backend,
-        "torch_plugin": None if chip.emulate else chip.torch_plugin,
-        "env": env,
-        "timeout_s": float(comm.timeout_s),
-        "emulated": bool(chip.emulate),
+    return RuntimeConfig(
+        device_type="cpu" if chip.emulate else chip.device_type,
+        backend=backend,
+        torch_plugin=None if chip.emulate else chip.torch_plugin,
+        env=env,
+        timeout_s=float(comm.timeout_s),
+        emulated=bool(chip.emulate),
         # MFU against the emulated chip's peak would be meaningless on a CPU: leave it unknown
-        "peak_flops": 0.0 if chip.emulate else peak * 1e12,
-    }
+        peak_flops=0.0 if chip.emulate else peak * 1e12,
+    )

@@ -1,8 +1,11 @@
 """Typed schemas of every config group, registered in Hydra's ConfigStore.
 
-YAML files under ``conf/`` hold values only; the dataclasses here give every key its type, so a
-typo (``parallel.tpp=2``) or a wrong type (``trainer.steps=ten``) is rejected by Hydra while it
-composes.  Cross-field rules live in :mod:`orchestrator.validate`.
+YAML files under ``conf/`` hold values only; the dataclasses give every key its type, so a typo
+(``parallel.tpp=2``) or a wrong type (``trainer.steps=ten``) is rejected by Hydra while it
+composes. Each section is declared once, by the component that reads it: the trainer's sections
+(model, parallel, precision, comm, data, trainer) in ``trainers/config.py``, handed to the workers
+as they are; the control plane's (chip, tracking, launch, planner) here. Cross-field rules live in
+:mod:`orchestrator.validate`.
 """
 from __future__ import annotations
 
@@ -11,6 +14,9 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
+
+from trainers.config import (CommConfig, DataConfig, ModelConfig, ParallelConfig, PrecisionConfig,
+                             TrainerConfig)
 
 
 @dataclass
@@ -35,118 +41,6 @@ class ChipConfig:
     emulate: bool = False
     # how the chip got here: "preset" (+chip=NAME) or "detected"
     source: str = "preset"
-
-
-@dataclass
-class ParallelConfig:
-    dp: int = -1  # -1: fill from launch.world_size / (tp * pp)
-    tp: int = 1
-    pp: int = 1
-    microbatches: int = 1  # pipeline microbatches per optimizer step (pp > 1)
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv
-    virtual_stages: int = 1
-    dp_shard: str = "ddp"  # ddp | fsdp
-    sequence_parallel: bool = False
-
-
-@dataclass
-class PrecisionConfig:
-    name: str = "fp32"
-    param_dtype: str = "fp32"
-    compute_dtype: str = "fp32"
-    loss_scale: str = "none"  # none | dynamic | static
-    init_scale: float = 65536.0
-    growth_interval: int = 2000
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    hysteresis: int = 1
-    master_weights_fp32: bool = True
-    fp32_ops: List[str] = field(default_factory=lambda: ["softmax", "layer_norm", "rms_norm"])
-    monitor: int = 0  # per-layer statistics every k steps; 0 = off
-    max_consecutive_skips: int = 25  # overflowed steps in a row before the trial ends nonfinite
-
-
-@dataclass
-class CommConfig:
-    name: str = "default"
-    bucket_mb: float = 25.0  # DDP gradient bucket size
-    buffsize_mb: int = 200  # HCCL_BUFFSIZE (MB per communicator; CANN's default 200)
-    nccl_buffsize_mb: float = 4.0  # NCCL_BUFFSIZE (MiB per channel and peer; NCCL's default 4)
-    timeout_s: float = 600.0  # process-group collective timeout
-    compression: str = "none"  # none | fp16 | bf16 | powersgd | topk
-    topk_ratio: float = 0.1
-    powersgd_rank: int = 4
-    overlap: bool = True
-    env: Dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = -1  # -1: same as n_heads
-    d_ff: int = 512
-    max_seq_len: int = 256
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    mlp: str = "gelu"  # gelu | swiglu
-    pos_emb: str = "learned"  # learned | rope
-    tie_embeddings: bool = True
-    attn_impl: str = "fused"  # fused (scaled_dot_product_attention) | decomposed
-    activation_checkpointing: bool = False
-    dropout: float = 0.0
-
-
-@dataclass
-class DataConfig:
-    name: str = "stdlib"  # stdlib | memmap | synthetic
-    path: Optional[str] = None  # uint16 token file (data=memmap)
-    cache_dir: Optional[str] = None  # where the stdlib corpus is cached; default ~/.cache
-    max_corpus_mb: int = 16
-    val_fraction: float = 0.01
-    num_workers: int = 1
-    prefetch_factor: int = 4
-
-
-@dataclass
-class FaultConfig:
-    kill_rank: int = -1  # chaos drill: this rank dies ...
-    at_step: int = -1  # ... at this step (once per trial); -1 = off
-    nan_layer: int = -1  # chaos: this block's output gets a NaN (inject=nan), or x1e5 through fp16 (overflow)
-    nan_at_step: int = -1  # ... at this step
-    inject: str = "nan"  # nan | overflow
-
-
-@dataclass
-class TrainerConfig:
-    steps: int = 50
-    global_batch: int = 16  # sequences per optimizer step, all replicas together
-    micro_batch: int = 8  # sequences per forward pass on one rank
-    seq_len: int = 128
-    seed: int = 1234
-    optimizer: str = "adamw"
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    lr_warmup_steps: int = 5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    warmup_steps: int = 3  # first steps excluded from step-time summaries
-    log_every: int = 10  # rank 0 sends per-step metrics in batches of this many steps
-    checkpoint_every: int = 0  # steps between checkpoints (0: none)
-    checkpoint_dir: Optional[str] = None  # default: ./checkpoints/<MLflow run id>; shared by all ranks
-    eval_every: int = 0
-    profile: bool = False  # torch.profiler over a window of steps
-    profile_start: int = 3
-    profile_steps: int = 3
-    profile_dir: Optional[str] = None  # default: ./profiles/<MLflow run id>
-    compile: bool = False  # torch.compile each block (graph-level fusion)
-    compile_backend: str = "auto"  # auto: torchair's NPU backend on Ascend, inductor elsewhere
-    deterministic: bool = True
-    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 @dataclass

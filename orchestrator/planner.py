@@ -73,6 +73,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import chips
 from orchestrator.validate import Layout, layout, validate
+from trainers import rules
 
 GiB = 2**30
 MiB = 2**20
@@ -185,7 +186,7 @@ class ParallelShape:
         return cls(dp=lay.dp, tp=lay.tp, pp=lay.pp, microbatches=m, micro_batch=b, seq_len=int(trainer.seq_len),
                    schedule=str(parallel.schedule), virtual_stages=int(parallel.virtual_stages),
                    sequence_parallel=bool(parallel.sequence_parallel) and lay.tp > 1,
-                   fsdp=parallel.dp_shard == "fsdp")
+                   fsdp=rules.dp_wrapping(lay.dp, lay.tp, str(parallel.dp_shard)) == "fsdp")
 
     @property
     def world(self) -> int:
@@ -393,10 +394,7 @@ def bubble_fraction(s: ParallelShape) -> float:
     is counted as interleaved with its 2 stages per rank: an upper bound, as its weight-gradient
     work fills the rest of the bubble only when forward, input- and weight-backward times
     balance (Qi et al. 2024). The trainer reports the same figure (trainers/parallel.py)."""
-    if s.pp == 1:
-        return 0.0
-    v = 2 if s.schedule == "zbv" else (s.virtual_stages if s.schedule == "interleaved_1f1b" else 1)
-    return (s.pp - 1) / (v * s.microbatches + s.pp - 1)
+    return rules.bubble_fraction(s.pp, s.microbatches, s.schedule, s.virtual_stages)
 
 
 def model_flops(m: ModelShape, s: ParallelShape) -> float:

@@ -235,10 +235,10 @@ def launch_trial(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
 
         totals = [float(n["Resources"].get(placement.resource, 0.0)) for n in ray.nodes() if n.get("Alive")]
         units = placement.units(world_size, totals)
-        rt = spec["runtime"]
+        rt = spec.runtime
         # backend variables (HCCL_BUFFSIZE, NCCL_BUFFSIZE) before the workers start, unless the
         # user set them; the trainer applies them again, for the local path
-        env = {k: str(v) for k, v in rt.get("env", {}).items() if k not in os.environ}
+        env = {k: str(v) for k, v in rt.env.items() if k not in os.environ}
         board, key = _board_slot or (None, -1)
         trainer = _trainer_class()(
             _train_worker,
@@ -249,7 +249,7 @@ def launch_trial(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
                 resources_per_worker={placement.resource: units},
                 # one node: all on it (as the local launcher would); more: fill nodes in turn
                 placement_strategy="STRICT_PACK" if placement.nodes == 1 else "PACK"),
-            torch_config=TorchConfig(backend=rt["backend"], timeout_s=int(math.ceil(float(rt["timeout_s"])))),
+            torch_config=TorchConfig(backend=rt.backend, timeout_s=int(math.ceil(float(rt.timeout_s)))),
             run_config=RunConfig(
                 name=f"trial-{getattr(reporter, 'run_id', None) or uuid.uuid4().hex[:12]}",
                 failure_config=FailureConfig(max_failures=int(launch.get("max_failures", 0))),

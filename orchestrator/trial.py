@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrator import chips, planner, ray_launch, sweep, tracking
 from orchestrator.launch import TrialFailed, launch_local
 from orchestrator.validate import Layout, layout, validate
+from trainers.config import TrialSpec
 
 log = logging.getLogger("orchestrator")
 
@@ -38,13 +39,13 @@ def prepare(cfg: DictConfig) -> DictConfig:
     return cfg
 
 
-def build_spec(cfg: DictConfig) -> Dict[str, Any]:
-    """The plain-dict sections the trainer reads, with the chip turned into a runtime."""
+def build_spec(cfg: DictConfig) -> TrialSpec:
+    """The trainer's sections as their own dataclasses (one schema, ``trainers/config.py``), the
+    layout filled in, the chip turned into a runtime."""
     lay = layout(cfg)
-    sections = {k: OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "trainer", "data", "precision", "comm")}
-    sections["parallel"] = {**OmegaConf.to_container(cfg.parallel, resolve=True), "dp": lay.dp, "tp": lay.tp, "pp": lay.pp}
-    sections["runtime"] = chips.runtime(cfg.chip, cfg.comm, cfg.precision.compute_dtype)
-    return sections
+    sections = {k: OmegaConf.to_object(cfg[k]) for k in ("model", "trainer", "data", "precision", "comm", "parallel")}
+    sections["parallel"].dp, sections["parallel"].tp, sections["parallel"].pp = lay.dp, lay.tp, lay.pp
+    return TrialSpec(**sections, runtime=chips.runtime(cfg.chip, cfg.comm, cfg.precision.compute_dtype))
 
 
 def trial_tags(cfg: DictConfig) -> Dict[str, str]:
@@ -127,12 +128,12 @@ class Trial:
     overrides: List[str]
     layout: Layout
     result: Dict[str, Any]
-    spec: Optional[Dict[str, Any]] = None
+    spec: Optional[TrialSpec] = None
     reporter: Optional[tracking.MlflowReporter] = None
 
 
 # a launch path: (spec, reporter, world_size, launch section) -> rank 0's summary; raises TrialFailed
-LaunchFn = Callable[[Dict[str, Any], Any, int, Dict[str, Any]], Dict[str, Any]]
+LaunchFn = Callable[[TrialSpec, Any, int, Dict[str, Any]], Dict[str, Any]]
 
 
 def start(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None) -> Trial:
@@ -160,11 +161,11 @@ def start(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = 
         reporter = tracking.MlflowReporter(uri, run_id, int(cfg.trainer.steps), progress)
         tracking.log_metrics(uri, run_id, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "world_size": lay.world_size})
         _log_preflight(uri, run_id, report)
-    if cfg.trainer.checkpoint_every > 0 and not spec["trainer"].get("checkpoint_dir"):
+    if cfg.trainer.checkpoint_every > 0 and not spec.trainer.checkpoint_dir:
         # one folder per trial, shared by its ranks and by its restarted worker groups
-        spec["trainer"]["checkpoint_dir"] = str(Path("checkpoints").resolve() / (result["run_id"] or uuid.uuid4().hex))
-    if cfg.trainer.profile and not spec["trainer"].get("profile_dir"):
-        spec["trainer"]["profile_dir"] = str(Path("profiles").resolve() / (result["run_id"] or uuid.uuid4().hex))
+        spec.trainer.checkpoint_dir = str(Path("checkpoints").resolve() / (result["run_id"] or uuid.uuid4().hex))
+    if cfg.trainer.profile and not spec.trainer.profile_dir:
+        spec.trainer.profile_dir = str(Path("profiles").resolve() / (result["run_id"] or uuid.uuid4().hex))
     trial.spec, trial.reporter = spec, reporter
     return trial
 

@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from orchestrator import chips
 from orchestrator.launch import trial_nodes
+from trainers import rules
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -153,7 +154,7 @@ def validate(cfg: DictConfig) -> List[str]:
         if p.schedule == "interleaved_1f1b" and p.virtual_stages < 2:
             err(f"parallel.virtual_stages={p.virtual_stages}: parallel.schedule=interleaved_1f1b needs at least "
                 f"2 stages per rank")
-        stages = lay.pp * (2 if p.schedule == "zbv" else p.virtual_stages if p.schedule == "interleaved_1f1b" else 1)
+        stages = lay.pp * rules.stages_per_rank(lay.pp, p.schedule, p.virtual_stages)
         if stages > m.n_layers >= lay.pp:
             err(f"parallel.pp={lay.pp} x stages per rank = {stages} stages exceeds model.n_layers={m.n_layers}")
         if m.tie_embeddings:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from trainers.data import DataArgs, StepSampler, TokenWindows, build_loader, stdlib_corpus, stdlib_sources
+from trainers.data import DataConfig, StepSampler, TokenWindows, build_loader, stdlib_corpus, stdlib_sources
 
 
 def test_stdlib_corpus_is_real_bytes_and_cached(tmp_path):
@@ -51,7 +51,7 @@ def test_order_is_deterministic_resumable_and_crosses_epochs():
 def test_loader_with_workers_yields_micro_batches(tmp_path):
     path = tmp_path / "tokens.bin"
     np.arange(5000, dtype=np.uint16).tofile(path)
-    args = DataArgs(name="memmap", path=str(path), num_workers=2, prefetch_factor=2, val_fraction=0.0)
+    args = DataConfig(name="memmap", path=str(path), num_workers=2, prefetch_factor=2, val_fraction=0.0)
     loader = build_loader(args, seq_len=16, vocab_size=65536, seed=0, global_batch=8, micro_batch=2,
                           dp_rank=1, dp_size=2, steps=3)
     batches = list(loader)

@@ -24,19 +24,30 @@ def test_trainers_import_no_control_plane_library():
 
 
 # the worker entry, and the planner's operator capture and probe (torch only, run on meta tensors
-# or on this machine's device; they never train)
+# or on this machine's device; they never train); and the torch-free schema and layout rules the
+# trainer owns and the control plane registers, validates and plans by
 ALLOWED_FROM_TRAINERS = {("trainers.loop", "worker_entry"), ("trainers.ops", "capture_ops"),
                          ("trainers.ops", "probe_ops")}
+TORCH_FREE = ("trainers.config", "trainers.rules")
 
 
-def test_orchestrator_uses_only_the_worker_entry_of_trainers():
+def test_orchestrator_uses_only_the_worker_entry_and_the_schema_of_trainers():
     for path in (ROOT / "orchestrator").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 assert not any(a.name.split(".")[0] == "trainers" for a in node.names), path
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainers"):
+                if node.module in TORCH_FREE:
+                    continue
                 names = {(node.module, a.name) for a in node.names}
                 assert names <= ALLOWED_FROM_TRAINERS, (path, names)
+
+
+def test_the_schema_and_the_layout_rules_import_no_torch():
+    # composing and validating a config, and planning it, must not import torch
+    for module in TORCH_FREE:
+        path = ROOT / (module.replace(".", "/") + ".py")
+        assert _imports(path) <= {"__future__", "dataclasses", "typing"}, (module, _imports(path))
 
 
 def test_the_control_plane_does_not_import_search_strategies():

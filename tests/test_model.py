@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainers.model import GPT, ModelArgs, count_params
+from trainers.config import ModelConfig, from_dict
+from trainers.model import GPT, count_params
 
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32)
 LLAMA = dict(TINY, norm="rmsnorm", mlp="swiglu", pos_emb="rope", tie_embeddings=False, n_kv_heads=2)
@@ -14,7 +15,7 @@ LLAMA = dict(TINY, norm="rmsnorm", mlp="swiglu", pos_emb="rope", tie_embeddings=
 @pytest.mark.parametrize("impl", ["fused", "decomposed"])
 def test_causal(kw, impl):
     torch.manual_seed(0)
-    model = GPT(ModelArgs(**kw, attn_impl=impl)).eval()
+    model = GPT(ModelConfig(**kw, attn_impl=impl)).eval()
     x = torch.randint(0, 64, (2, 16))
     y = x.clone()
     y[:, 10:] = (y[:, 10:] + 1) % 64  # change only the future
@@ -27,8 +28,8 @@ def test_causal(kw, impl):
 @pytest.mark.parametrize("kw", [TINY, LLAMA], ids=["gpt", "llama"])
 def test_decomposed_attention_matches_fused(kw):
     torch.manual_seed(0)
-    fused = GPT(ModelArgs(**kw, attn_impl="fused")).eval()
-    decomposed = GPT(ModelArgs(**kw, attn_impl="decomposed")).eval()
+    fused = GPT(ModelConfig(**kw, attn_impl="fused")).eval()
+    decomposed = GPT(ModelConfig(**kw, attn_impl="decomposed")).eval()
     decomposed.load_state_dict(fused.state_dict())
     x = torch.randint(0, 64, (2, 16))
     torch.testing.assert_close(fused(x), decomposed(x), rtol=1e-5, atol=1e-5)
@@ -36,8 +37,8 @@ def test_decomposed_attention_matches_fused(kw):
 
 def test_activation_checkpointing_gives_the_same_gradients():
     torch.manual_seed(0)
-    plain = GPT(ModelArgs(**TINY))
-    ckpt = GPT(ModelArgs(**TINY, activation_checkpointing=True))
+    plain = GPT(ModelConfig(**TINY))
+    ckpt = GPT(ModelConfig(**TINY, activation_checkpointing=True))
     ckpt.load_state_dict(plain.state_dict())
     x = torch.randint(0, 64, (2, 16))
     plain(x).sum().backward()
@@ -57,7 +58,7 @@ def test_published_parameter_counts(preset, expected, rel):
 
     from orchestrator import conf_dir
 
-    args = ModelArgs.from_dict(OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / f"{preset}.yaml")))
+    args = from_dict(ModelConfig, OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / f"{preset}.yaml")))
     with torch.device("meta"):  # no memory for 70B
         model = GPT(args)
     assert count_params(model) == pytest.approx(expected, rel=rel)

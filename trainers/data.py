@@ -17,19 +17,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
-from trainers.args import SectionArgs
-
-
-@dataclass
-class DataArgs(SectionArgs):
-    name: str = "stdlib"
-    path: Optional[str] = None
-    cache_dir: Optional[str] = None
-    max_corpus_mb: int = 16
-    val_fraction: float = 0.01
-    num_workers: int = 1
-    prefetch_factor: int = 4
-
+from trainers.config import DataConfig
 
 
 def default_cache_dir() -> Path:
@@ -145,21 +133,21 @@ class StepSampler(Sampler[int]):
         return (self.steps - self.start_step) * (self.G // self.dp)
 
 
-def build_dataset(args: DataArgs, seq_len: int, vocab_size: int, seed: int, split: str = "train") -> Dataset:
+def build_dataset(args: DataConfig, seq_len: int, vocab_size: int, seed: int, split: str = "train") -> Dataset:
     if args.name == "synthetic":
         return SyntheticTokens(vocab_size, seq_len, seed + (0 if split == "train" else 1))
     path = args.path if args.name == "memmap" else stdlib_corpus(args.cache_dir, args.max_corpus_mb)
     return TokenWindows(path, seq_len, split, args.val_fraction)
 
 
-def prepare(args: DataArgs) -> None:
+def prepare(args: DataConfig) -> None:
     """Build what the dataset reads (the cached corpus) once, before the ranks open it."""
     if args.name == "stdlib":
         stdlib_corpus(args.cache_dir, args.max_corpus_mb)
 
 
 def build_loader(
-    args: DataArgs, *, seq_len: int, vocab_size: int, seed: int, global_batch: int, micro_batch: int,
+    args: DataConfig, *, seq_len: int, vocab_size: int, seed: int, global_batch: int, micro_batch: int,
     dp_rank: int, dp_size: int, steps: int, start_step: int = 0, pin_memory: bool = False,
 ) -> DataLoader:
     ds = build_dataset(args, seq_len, vocab_size, seed)

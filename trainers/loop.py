@@ -7,12 +7,12 @@ leave through ``reporter`` on rank 0 only.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
 import signal
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -23,15 +23,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainers import checkpoint as ckpt
 from trainers import comm as comm_mod
 from trainers import data as data_mod
-from trainers.args import SectionArgs
-from trainers.model import GPT, ModelArgs, RMSNorm, count_params, cross_entropy
+from trainers import rules
+from trainers.config import FaultConfig, TrainerConfig, TrialSpec
+from trainers.model import GPT, RMSNorm, count_params, cross_entropy
 from trainers.monitor import FiniteTracker, PrecisionMonitor
-from trainers.parallel import (ParallelArgs, apply_fsdp, bubble_fraction, build_mesh, build_stages, clip_grads_,
+from trainers.parallel import (apply_fsdp, build_mesh, build_stages, clip_grads_,
                                acc_dtype, param_checksum)
-from trainers.precision import DynamicLossScaler, PrecisionArgs, autocast
+from trainers.precision import DynamicLossScaler, autocast
 from trainers.profiling import Profiler
 from trainers.report import NullReporter, Reporter
-from trainers.runtime import (RuntimeArgs, apply_env, compile_backend, init_process_group, peak_memory_gb,
+from trainers.runtime import (apply_env, compile_backend, init_process_group, peak_memory_gb,
                               select_device, synchronize)
 
 
@@ -39,50 +40,7 @@ class NonFiniteError(RuntimeError):
     """The loss or gradient norm went non-finite where no loss scaler could absorb it."""
 
 
-@dataclass
-class FaultArgs(SectionArgs):
-    kill_rank: int = -1
-    at_step: int = -1
-    nan_layer: int = -1
-    nan_at_step: int = -1
-    inject: str = "nan"
-
-
-@dataclass
-class TrainArgs(SectionArgs):
-    steps: int = 50
-    global_batch: int = 16
-    micro_batch: int = 8
-    seq_len: int = 128
-    seed: int = 1234
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    lr_warmup_steps: int = 5
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0
-    warmup_steps: int = 3
-    log_every: int = 10
-    deterministic: bool = True
-    compile: bool = False
-    compile_backend: str = "auto"
-    profile: bool = False
-    profile_start: int = 3
-    profile_steps: int = 3
-    profile_dir: Optional[str] = None
-    checkpoint_every: int = 0
-    checkpoint_dir: Optional[str] = None
-    fault: FaultArgs = field(default_factory=FaultArgs)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainArgs":
-        args = super().from_dict(d)
-        args.fault = FaultArgs.from_dict(dict(d.get("fault") or {}))
-        return args
-
-
-def lr_at(step: int, a: TrainArgs) -> float:
+def lr_at(step: int, a: TrainerConfig) -> float:
     """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
     if step < a.lr_warmup_steps:
         return a.lr * (step + 1) / a.lr_warmup_steps
@@ -91,7 +49,7 @@ def lr_at(step: int, a: TrainArgs) -> float:
     return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def build_optimizer(params: List[torch.nn.Parameter], a: TrainArgs) -> torch.optim.Optimizer:
+def build_optimizer(params: List[torch.nn.Parameter], a: TrainerConfig) -> torch.optim.Optimizer:
     # no weight decay on norms and biases (everything one-dimensional); DTensor and plain
     # parameters in separate groups, as the foreach kernels cannot mix them
     from torch.distributed.tensor import DTensor
@@ -105,7 +63,7 @@ def build_optimizer(params: List[torch.nn.Parameter], a: TrainArgs) -> torch.opt
     return torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, foreach=True)
 
 
-def _maybe_inject_fault(step: int, rank: int, fault: FaultArgs, marker_dir: Optional[str]) -> None:
+def _maybe_inject_fault(step: int, rank: int, fault: FaultConfig, marker_dir: Optional[str]) -> None:
     """Chaos drill: the chosen rank dies hard at the chosen step, once per trial (a marker in the
     checkpoint folder, or the elastic restart count, tells a restarted group it already fired)."""
     if fault.at_step != step or fault.kill_rank != rank:
@@ -153,12 +111,10 @@ class _Model:
     """This rank's share of the model: its stage modules, wrapped for data parallelism, and how
     one optimizer step runs through them (micro-batch accumulation, or a pipeline schedule)."""
 
-    def __init__(self, spec: Dict[str, Any], device: torch.device, scaler: DynamicLossScaler):
-        self.margs = ModelArgs.from_dict(spec["model"])
-        self.targs = TrainArgs.from_dict(spec["trainer"])
-        self.p = ParallelArgs.from_dict(spec["parallel"])
-        self.pargs = PrecisionArgs.from_dict(spec["precision"])
-        comm = spec.get("comm", {})
+    def __init__(self, spec: TrialSpec, device: torch.device, scaler: DynamicLossScaler):
+        self.margs, self.targs, self.pargs = spec.model, spec.trainer, spec.precision
+        self.p = copy.copy(spec.parallel)
+        comm = spec.comm
         self.device, self.scaler = device, scaler
         world = dist.get_world_size() if dist.is_initialized() else 1
         p = self.p
@@ -173,7 +129,7 @@ class _Model:
             stages = [(0, GPT(self.margs, seed=seed).to(device))]
         else:
             stages = build_stages(self.margs, p, self.mesh, device, seed)
-        self.n_stages = p.pp * p.stages_per_rank
+        self.n_stages = p.pp * rules.stages_per_rank(p.pp, p.schedule, p.virtual_stages)
         self.stage_ids = [sid for sid, _ in stages]
         self.modules = [m for _, m in stages]
         for m in self.modules:
@@ -186,14 +142,14 @@ class _Model:
         self.comm_stats = None
         self.wrapped: List[torch.nn.Module] = []
         for m in self.modules:
-            if p.dp > 1 and (p.tp > 1 or p.dp_shard == "fsdp"):
+            wrapping = rules.dp_wrapping(p.dp, p.tp, p.dp_shard)
+            if wrapping == "fsdp":
                 self.wrapped.append(apply_fsdp(m, self.mesh.sub("dp")))
-            elif p.dp > 1:
-                ddp = DDP(m, process_group=self.mesh.group("dp"), bucket_cap_mb=float(comm.get("bucket_mb", 25.0)),
+            elif wrapping == "ddp":
+                ddp = DDP(m, process_group=self.mesh.group("dp"), bucket_cap_mb=float(comm.bucket_mb),
                           device_ids=[device.index] if device.type in ("cuda", "npu") else None)
-                stats = comm_mod.register(ddp, comm.get("compression", "none"), self.mesh.group("dp"),
-                                          topk_ratio=float(comm.get("topk_ratio", 0.1)),
-                                          powersgd_rank=int(comm.get("powersgd_rank", 4)))
+                stats = comm_mod.register(ddp, comm.compression, self.mesh.group("dp"),
+                                          topk_ratio=float(comm.topk_ratio), powersgd_rank=int(comm.powersgd_rank))
                 self.comm_stats = stats or self.comm_stats
                 self.wrapped.append(ddp)
             else:
@@ -262,14 +218,11 @@ class _Model:
         return torch.stack([l.detach().float() for l in losses]).mean() / self.scaler.scale
 
 
-def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional[Dict[str, Any]]:
+def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict[str, Any]]:
     """Run one trial's training in this process (a process group must be initialised, or this is
     the single-process reference). Returns the summary on rank 0, None elsewhere."""
     reporter = reporter or NullReporter()
-    targs = TrainArgs.from_dict(spec["trainer"])
-    dargs = data_mod.DataArgs.from_dict(spec["data"])
-    pargs = PrecisionArgs.from_dict(spec["precision"])
-    rt = RuntimeArgs.from_dict(spec["runtime"])
+    targs, dargs, pargs, rt = spec.trainer, spec.data, spec.precision, spec.runtime
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     device = select_device(rt, int(os.environ.get("LOCAL_RANK", "0")))
@@ -304,9 +257,10 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
         start_step, path = found
         extra = ckpt.load(path, model.modules, optims)
         scaler.load_state_dict(extra["scaler"])
-    per_replica = targs.global_batch // p.dp
-    micro = per_replica if p.pp > 1 else targs.micro_batch  # the pipeline splits its own batch
-    accum = per_replica // micro
+    split = rules.batch_split(targs.global_batch, p.dp, p.pp, targs.micro_batch, p.microbatches)
+    # the pipeline schedule cuts the replica's batch into its microbatches itself
+    micro = split.per_replica if p.pp > 1 else split.size
+    accum = split.per_replica // micro
     loader = data_mod.build_loader(
         dargs, seq_len=targs.seq_len, vocab_size=margs.vocab_size, seed=targs.seed,
         global_batch=targs.global_batch, micro_batch=micro, dp_rank=model.dp_rank, dp_size=p.dp,
@@ -428,7 +382,7 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
         "param_sum_final": param_sum_final,
         "world_size": world,
         "resumed_from_step": start_step,
-        "bubble_fraction": bubble_fraction(p.pp, p.microbatches, p.schedule, p.virtual_stages),
+        "bubble_fraction": rules.bubble_fraction(p.pp, p.microbatches, p.schedule, p.virtual_stages),
     }
     summary.update({f"peak_mem_gb_rank{r}": v for r, v in enumerate(peaks)} if world > 1 else {})
     if profiler.result is not None:
@@ -446,7 +400,7 @@ def train(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional
     return summary
 
 
-def count_params_global(margs: ModelArgs) -> int:
+def count_params_global(margs) -> int:
     with torch.device("meta"):
         return count_params(GPT(margs))
 
@@ -462,9 +416,9 @@ def _gather(value: float, device: torch.device, world: int) -> List[float]:
 
 
 @record  # writes the exception to the elastic error file, so the launcher can report why
-def worker_entry(spec: Dict[str, Any], reporter: Optional[Reporter] = None) -> Optional[Dict[str, Any]]:
+def worker_entry(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict[str, Any]]:
     """Entry point of one worker process: env, process group, train, tear down."""
-    rt = RuntimeArgs.from_dict(spec["runtime"])
+    rt = spec.runtime
     apply_env(rt.env)
     init_process_group(rt)
     try:

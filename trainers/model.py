@@ -2,7 +2,7 @@
 
 One class per concern, each readable in a screenful. The same module covers GPT-2 (LayerNorm,
 GELU, learned positions, tied head) and Llama 2 (RMSNorm, SwiGLU, RoPE, grouped key/value
-heads) through :class:`ModelArgs`.
+heads) through :class:`ModelConfig`.
 """
 from __future__ import annotations
 
@@ -15,34 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from trainers.args import SectionArgs
-
-
-@dataclass
-class ModelArgs(SectionArgs):
-    vocab_size: int = 256
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    n_kv_heads: int = -1
-    d_ff: int = 512
-    max_seq_len: int = 256
-    norm: str = "layernorm"
-    mlp: str = "gelu"
-    pos_emb: str = "learned"
-    tie_embeddings: bool = True
-    attn_impl: str = "fused"
-    activation_checkpointing: bool = False
-    dropout: float = 0.0
-
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads in (-1, 0, None) else self.n_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+from trainers.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
@@ -58,7 +31,7 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def make_norm(args: ModelArgs) -> nn.Module:
+def make_norm(args: ModelConfig) -> nn.Module:
     return RMSNorm(args.d_model) if args.norm == "rmsnorm" else nn.LayerNorm(args.d_model)
 
 
@@ -77,7 +50,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = args.n_heads, args.kv_heads, args.head_dim
         self.wq = nn.Linear(args.d_model, self.n_heads * self.hd, bias=False)
@@ -110,7 +83,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelConfig):
         super().__init__()
         self.swiglu = args.mlp == "swiglu"
         self.w1 = nn.Linear(args.d_model, args.d_ff, bias=False)
@@ -124,7 +97,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelConfig):
         super().__init__()
         self.attn_norm, self.attn = make_norm(args), Attention(args)
         self.mlp_norm, self.mlp = make_norm(args), MLP(args)
@@ -140,7 +113,7 @@ class GPT(nn.Module):
     ``layers`` keeps each block under its global index so parameter names match the whole model.
     """
 
-    def __init__(self, args: ModelArgs, seed: int = 0):
+    def __init__(self, args: ModelConfig, seed: int = 0):
         super().__init__()
         self.args = args
         self.tok_emb: Optional[nn.Embedding] = nn.Embedding(args.vocab_size, args.d_model)

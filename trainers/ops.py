@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trainers.model import GPT, ModelArgs, count_params, cross_entropy
+from trainers.config import ModelConfig, from_dict
+from trainers.model import GPT, count_params, cross_entropy
 
 FUSED_ATTENTION = "aten::_scaled_dot_product_flash_attention"
 FUSED_ATTENTION_BACKWARD = "aten::_scaled_dot_product_flash_attention_backward"
@@ -133,7 +134,7 @@ def capture_ops(model: Dict[str, Any], seq_len: int = 16, batch: int = 1, comput
     forward operators, so the operator set is the same with or without it (and the autograd
     engine does not carry torch-function modes into the recompute, where attention would
     escape the interception)."""
-    args = ModelArgs.from_dict({**model, "activation_checkpointing": False})
+    args = from_dict(ModelConfig, {**model, "activation_checkpointing": False})
     seq_len = max(1, min(int(seq_len), args.max_seq_len))
     with torch.device("meta"):
         net = GPT(args)
@@ -221,7 +222,7 @@ def small_model(model: Dict[str, Any]) -> Dict[str, Any]:
 
 def probe_ops(device: str, model: Optional[Dict[str, Any]] = None, plugin: Optional[str] = None,
               compute_dtype: str = "fp32", seed: int = 0) -> Dict[str, Dict[str, str]]:
-    """Run a small copy of ``model`` (default: ModelArgs defaults) forward and backward on
+    """Run a small copy of ``model`` (default: ModelConfig defaults) forward and backward on
     ``device`` with every aten op graded; return ``{op: {"status": native|fallback|error|unused,
     "detail": ...}}`` for the ops of :func:`capture_ops` plus any the device ran in addition
     (``unused``: captured on meta but reached through another kernel on this device).
@@ -237,7 +238,7 @@ def probe_ops(device: str, model: Optional[Dict[str, Any]] = None, plugin: Optio
     small = small_model(model or {})
     wanted = capture_ops(small, seq_len=8, batch=2, compute_dtype=compute_dtype).names
     torch.manual_seed(seed)
-    net = GPT(ModelArgs.from_dict({**small, "activation_checkpointing": False})).to(dev).train()
+    net = GPT(from_dict(ModelConfig, {**small, "activation_checkpointing": False})).to(dev).train()
     tokens = torch.randint(0, small["vocab_size"], (2, 9), device=dev)
     autocast = (torch.autocast(device_type=dev.type, dtype=DTYPES[compute_dtype]) if compute_dtype != "fp32"
                 else contextlib.nullcontext())

@@ -14,40 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from trainers.args import SectionArgs
-from trainers.model import GPT, ModelArgs
-
-
-@dataclass
-class ParallelArgs(SectionArgs):
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    dp_shard: str = "ddp"
-    sequence_parallel: bool = False
-
-
-    @property
-    def stages_per_rank(self) -> int:
-        if self.pp == 1:
-            return 1
-        if self.schedule == "zbv":
-            return 2
-        return self.virtual_stages if self.schedule == "interleaved_1f1b" else 1
-
-
-def bubble_fraction(pp: int, microbatches: int, schedule: str, virtual_stages: int = 1) -> float:
-    """Idle share of a pipeline step: (p-1)/(p-1+m) for GPipe and 1F1B (Narayanan et al. 2021);
-    interleaving v stages per rank divides the bubble by v: (p-1)/(p-1+v m). ZBV schedules the
-    weight-gradient work into the bubble; it is counted as the interleaved form with v=2, an upper
-    bound (the zero-bubble paper reaches ~0 only when F, B and W times balance)."""
-    if pp <= 1:
-        return 0.0
-    v = 2 if schedule == "zbv" else (virtual_stages if schedule == "interleaved_1f1b" else 1)
-    return (pp - 1) / (pp - 1 + v * microbatches)
+from trainers import rules
+from trainers.config import ModelConfig, ParallelConfig
+from trainers.model import GPT
 
 
 @dataclass
@@ -69,7 +38,7 @@ class Mesh:
         return self.device_mesh[dim]
 
 
-def build_mesh(device_type: str, p: ParallelArgs) -> Mesh:
+def build_mesh(device_type: str, p: ParallelConfig) -> Mesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -80,34 +49,13 @@ def build_mesh(device_type: str, p: ParallelArgs) -> Mesh:
     return Mesh(mesh, p.dp, p.pp, p.tp, coord[0], coord[1], coord[2])
 
 
-def stage_ids(p: ParallelArgs, pp_rank: int) -> List[int]:
-    """Global stage indices held by this pipeline rank: one for GPipe/1F1B; every pp-th for
-    interleaved 1F1B; a V (stage r and 2p-1-r) for ZBV."""
-    if p.pp == 1:
-        return [0]
-    if p.schedule == "zbv":
-        return [pp_rank, 2 * p.pp - 1 - pp_rank]
-    return [pp_rank + k * p.pp for k in range(p.stages_per_rank)]
-
-
-def layer_split(n_layers: int, n_stages: int) -> List[range]:
-    """Contiguous blocks per stage, the remainder going to the earliest stages."""
-    base, extra = divmod(n_layers, n_stages)
-    out, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
-
-
-def make_stage(args: ModelArgs, stage: int, n_stages: int) -> GPT:
+def make_stage(args: ModelConfig, stage: int, n_stages: int) -> GPT:
     """The part of the model that stage ``stage`` of ``n_stages`` runs, built on meta."""
     with torch.device("meta"):
         model = GPT(args)
     if n_stages == 1:
         return model
-    keep = set(map(str, layer_split(args.n_layers, n_stages)[stage]))
+    keep = set(map(str, rules.layer_split(args.n_layers, n_stages)[stage]))
     for name in list(model.layers.keys()):
         if name not in keep:
             del model.layers[name]
@@ -174,13 +122,13 @@ def apply_fsdp(model: GPT, dp_mesh, reshard_after_forward: bool = True) -> nn.Mo
     return model
 
 
-def build_stages(margs: ModelArgs, p: ParallelArgs, mesh: Mesh, device: torch.device, seed: int
+def build_stages(margs: ModelConfig, p: ParallelConfig, mesh: Mesh, device: torch.device, seed: int
                  ) -> List[Tuple[int, GPT]]:
     """This rank's (stage index, module) pairs, materialised on ``device``, initialised exactly
     as the single-process model, tensor-parallel where tp > 1. Data parallelism comes after."""
-    n_stages = p.pp * p.stages_per_rank
+    n_stages = p.pp * rules.stages_per_rank(p.pp, p.schedule, p.virtual_stages)
     out = []
-    for sid in stage_ids(p, mesh.pp_rank):
+    for sid in rules.stage_ids(p.pp, p.schedule, p.virtual_stages, mesh.pp_rank):
         module = make_stage(margs, sid, n_stages)
         if p.tp > 1:
             apply_tp(module, mesh.sub("tp"), p.sequence_parallel)

@@ -13,31 +13,13 @@ from typing import Iterable, List
 import torch
 import torch.distributed as dist
 
-from trainers.args import SectionArgs
+from trainers.config import PrecisionConfig
 from trainers.parallel import local
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass
-class PrecisionArgs(SectionArgs):
-    name: str = "fp32"
-    param_dtype: str = "fp32"
-    compute_dtype: str = "fp32"
-    loss_scale: str = "none"
-    init_scale: float = 65536.0
-    growth_interval: int = 2000
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    hysteresis: int = 1
-    master_weights_fp32: bool = True
-    fp32_ops: List[str] = field(default_factory=list)
-    monitor: int = 0
-    max_consecutive_skips: int = 25
-
-
-
-def autocast(args: PrecisionArgs, device: torch.device):
+def autocast(args: PrecisionConfig, device: torch.device):
     """Autocast to the compute dtype; a no-op in fp32. Parameters stay fp32 (master weights)."""
     if args.compute_dtype == "fp32":
         return contextlib.nullcontext()
@@ -52,7 +34,7 @@ class DynamicLossScaler:
     scale grows by ``growth_factor``.
     """
 
-    def __init__(self, args: PrecisionArgs, device: torch.device):
+    def __init__(self, args: PrecisionConfig, device: torch.device):
         self.enabled = args.loss_scale == "dynamic"
         self.scale = float(args.init_scale) if self.enabled else 1.0
         self.growth_interval, self.growth_factor = args.growth_interval, args.growth_factor

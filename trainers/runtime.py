@@ -16,19 +16,7 @@ from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
-from trainers.args import SectionArgs
-
-
-@dataclass
-class RuntimeArgs(SectionArgs):
-    device_type: str = "cpu"  # cpu | cuda | npu
-    backend: str = "gloo"  # gloo | nccl | hccl
-    torch_plugin: Optional[str] = None
-    env: Dict[str, str] = field(default_factory=dict)
-    timeout_s: float = 600.0
-    emulated: bool = False
-    peak_flops: float = 0.0  # per device, for the compute dtype; 0 = unknown
-
+from trainers.config import RuntimeConfig
 
 
 def apply_env(env: Dict[str, str]) -> None:
@@ -37,7 +25,7 @@ def apply_env(env: Dict[str, str]) -> None:
         os.environ.setdefault(key, str(value))
 
 
-def select_device(rt: RuntimeArgs, local_rank: int) -> torch.device:
+def select_device(rt: RuntimeConfig, local_rank: int) -> torch.device:
     if rt.device_type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
         # share the host's cores among this node's workers instead of each taking all of them
         # (torchrun sets OMP_NUM_THREADS=1 for the same reason; the launcher API does not)
@@ -54,7 +42,7 @@ def select_device(rt: RuntimeArgs, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(rt: RuntimeArgs) -> None:
+def init_process_group(rt: RuntimeConfig) -> None:
     """Join the trial's process group (env:// variables from the launcher). Under torch's
     elastic agent, a restarted worker group reuses the agent's store: its keys are prefixed with
     the restart count, or the new ranks would read the dead ranks' addresses and fail to connect."""

@@ -1,0 +1,201 @@
+"""The one schema of every section the trainer reads: plain, torch-free dataclasses.
+
+Each section is declared here once. The control plane registers these very classes in Hydra's
+ConfigStore (``orchestrator/config.py``), so YAML presets and command-line overrides are typed
+against them; a trial's resolved sections are turned back into these objects
+(``OmegaConf.to_object``) and handed to the workers as a :class:`TrialSpec`. Nothing else in the
+project re-declares a key or its default.
+
+Keys that only the planner reads live in ``orchestrator/config.py`` (``planner.*``); a key here
+either changes what the trainer runs, or the validator (``orchestrator/validate.py``) refuses the
+values it cannot honour. ``tests/test_knobs.py`` walks every leaf key and holds the code to that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Dict, List, Optional, Type, TypeVar, get_type_hints
+
+T = TypeVar("T")
+
+
+@dataclass
+class ModelConfig:
+    """A GPT-style decoder (``trainers/model.py``)."""
+
+    name: str = "custom"  # a label for records and reports (the preset's file name)
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = -1  # -1: same as n_heads; fewer: grouped-query attention
+    d_ff: int = 512
+    max_seq_len: int = 256
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    mlp: str = "gelu"  # gelu | swiglu
+    pos_emb: str = "learned"  # learned | rope
+    tie_embeddings: bool = True
+    attn_impl: str = "fused"  # fused (scaled_dot_product_attention) | decomposed
+    activation_checkpointing: bool = False
+    dropout: float = 0.0  # attention-probability and residual dropout while training
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads in (-1, 0, None) else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    """The (dp, pp, tp) layout and the pipeline schedule (``trainers/parallel.py``)."""
+
+    dp: int = -1  # -1: fill from launch.world_size / (tp * pp)
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1  # pipeline microbatches per optimizer step (pp > 1 only)
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv
+    virtual_stages: int = 1  # stages per rank of interleaved_1f1b
+    dp_shard: str = "ddp"  # ddp | fsdp, where tp = 1 (with tp > 1 data parallelism is FSDP)
+    sequence_parallel: bool = False
+
+
+@dataclass
+class PrecisionConfig:
+    """Parameter and compute dtypes, master weights, loss scaling (``trainers/precision.py``)."""
+
+    name: str = "fp32"  # a label for records and reports (the preset's file name)
+    param_dtype: str = "fp32"  # fp32 | bf16 | fp16: the dtype the model's parameters are stored in
+    compute_dtype: str = "fp32"  # fp32 | bf16 | fp16: autocast's dtype
+    loss_scale: str = "none"  # none | dynamic | static (static: init_scale, never changed)
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    hysteresis: int = 1
+    master_weights_fp32: bool = True  # 16-bit parameters: the optimizer steps an fp32 copy
+    # ops run in fp32 whatever the compute dtype: softmax | layer_norm | rms_norm
+    fp32_ops: List[str] = field(default_factory=lambda: ["softmax", "layer_norm", "rms_norm"])
+    monitor: int = 0  # per-layer statistics every k steps; 0 = off
+    max_consecutive_skips: int = 25  # overflowed steps in a row before the trial ends nonfinite
+
+
+@dataclass
+class CommConfig:
+    """Gradient communication (``trainers/comm.py``) and the backend's buffers and timeouts."""
+
+    name: str = "default"  # a label for records and reports (the preset's file name)
+    bucket_mb: float = 25.0  # DDP gradient bucket size (MiB)
+    buffsize_mb: int = 200  # HCCL_BUFFSIZE (MB per communicator; CANN's default 200)
+    nccl_buffsize_mb: float = 4.0  # NCCL_BUFFSIZE (MiB per channel and peer; NCCL's default 4)
+    timeout_s: float = 600.0  # collective timeout of every process group
+    compression: str = "none"  # none | fp16 | bf16 | powersgd | topk
+    topk_ratio: float = 0.1
+    powersgd_rank: int = 4
+    overlap: bool = True  # gradient reduction overlapped with the backward pass (DDP and FSDP)
+    env: Dict[str, str] = field(default_factory=dict)  # extra backend variables, over the chip's
+
+
+@dataclass
+class DataConfig:
+    """Token data (``trainers/data.py``)."""
+
+    name: str = "stdlib"  # stdlib | memmap | synthetic
+    path: Optional[str] = None  # uint16 token file (data=memmap)
+    cache_dir: Optional[str] = None  # where the stdlib corpus is cached; default ~/.cache
+    max_corpus_mb: int = 16
+    val_fraction: float = 0.01  # the tail of the corpus held out for trainer.eval_every
+    num_workers: int = 1
+    prefetch_factor: int = 4
+
+
+@dataclass
+class FaultConfig:
+    """Chaos drills (``trainers/faults.py``)."""
+
+    kill_rank: int = -1  # this rank dies ...
+    at_step: int = -1  # ... at this step (once per trial); -1 = off
+    nan_layer: int = -1  # this block's output gets a NaN (inject=nan), or x1e5 through fp16 (overflow)
+    nan_at_step: int = -1  # ... at this step
+    inject: str = "nan"  # nan | overflow
+
+
+@dataclass
+class TrainerConfig:
+    """The loop (``trainers/loop.py``): steps, batches, optimizer, schedule, records."""
+
+    steps: int = 50
+    global_batch: int = 16  # sequences per optimizer step, all replicas together
+    micro_batch: int = 8  # sequences per forward pass on one rank (without a pipeline)
+    seq_len: int = 128
+    seed: int = 1234
+    optimizer: str = "adamw"
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    lr_warmup_steps: int = 5
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    warmup_steps: int = 3  # first steps excluded from step-time summaries
+    log_every: int = 10  # rank 0 sends per-step metrics in batches of this many steps
+    checkpoint_every: int = 0  # steps between checkpoints (0: none)
+    checkpoint_dir: Optional[str] = None  # default: ./checkpoints/<MLflow run id>; shared by all ranks
+    eval_every: int = 0  # steps between held-out evaluations (val_loss); 0: none
+    eval_batches: int = 2  # global batches of the held-out split per evaluation
+    profile: bool = False  # torch.profiler over a window of steps
+    profile_start: int = 3
+    profile_steps: int = 3
+    profile_dir: Optional[str] = None  # default: ./profiles/<MLflow run id>
+    compile: bool = False  # torch.compile each block (graph-level fusion)
+    compile_backend: str = "auto"  # auto: torchair's NPU backend on Ascend, inductor elsewhere
+    deterministic: bool = True
+    fault: FaultConfig = field(default_factory=FaultConfig)
+
+
+@dataclass
+class RuntimeConfig:
+    """What a worker needs of the chip: device, backend, plugin, environment (``trainers/runtime.py``).
+    Built by the control plane from the ``chip`` and ``comm`` sections (``orchestrator/chips.py``)."""
+
+    device_type: str = "cpu"  # cpu | cuda | npu
+    backend: str = "gloo"  # gloo | nccl | hccl
+    torch_plugin: Optional[str] = None
+    env: Dict[str, str] = field(default_factory=dict)
+    timeout_s: float = 600.0
+    emulated: bool = False
+    peak_flops: float = 0.0  # per device, for the compute dtype; 0 = unknown
+
+
+@dataclass
+class TrialSpec:
+    """Everything a worker needs to run one trial: the sections, as resolved by the control plane
+    (``parallel`` with its layout filled in), and the chip turned into a runtime."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    precision: PrecisionConfig
+    comm: CommConfig
+    data: DataConfig
+    trainer: TrainerConfig
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+
+def from_dict(cls: Type[T], d: Dict[str, Any]) -> T:
+    """Build ``cls`` from a plain dict, nested sections included; an unknown key is an error
+    (there is one schema: a key the dataclass does not declare is a bug, not something to drop)."""
+    known = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = set(d) - set(known)
+    if unknown:
+        raise TypeError(f"{cls.__name__}: unknown keys {sorted(unknown)}")
+    kwargs = {}
+    for name, value in d.items():
+        sub = _dataclass_type(cls, name)
+        kwargs[name] = from_dict(sub, value) if sub is not None and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+def _dataclass_type(cls: Type[Any], name: str) -> Optional[Type[Any]]:
+    hint = get_type_hints(cls)[name]
+    return hint if isinstance(hint, type) and is_dataclass(hint) else None

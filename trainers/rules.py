@@ -1,0 +1,103 @@
+"""The layout rules the trainer builds by and the planner plans by, in one place (torch-free).
+
+Which data-parallel wrapping a layout gets, how a replica's batch is cut into micro-batches, how
+the model is split into pipeline stages and which stages a rank holds, and the pipeline bubble:
+``trainers/parallel.py`` and ``trainers/loop.py`` build exactly this, ``orchestrator/planner``
+and ``orchestrator/validate.py`` reason about exactly this. A change here changes both.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+
+def dp_wrapping(dp: int, tp: int, dp_shard: str) -> str:
+    """``none`` (one replica), ``ddp`` or ``fsdp``. With tensor parallelism the replicas are
+    always FSDP2 over the TP shards (DDP does not take DTensor parameters); otherwise
+    ``parallel.dp_shard`` chooses."""
+    if dp <= 1:
+        return "none"
+    return "fsdp" if tp > 1 or dp_shard == "fsdp" else "ddp"
+
+
+def stages_per_rank(pp: int, schedule: str, virtual_stages: int) -> int:
+    """Model chunks one pipeline rank holds: 1 for GPipe and 1F1B, ``virtual_stages`` for
+    interleaved 1F1B, a V of 2 for ZB-V."""
+    if pp <= 1:
+        return 1
+    if schedule == "zbv":
+        return 2
+    return virtual_stages if schedule == "interleaved_1f1b" else 1
+
+
+def stage_ids(pp: int, schedule: str, virtual_stages: int, pp_rank: int) -> List[int]:
+    """Global stage indices held by ``pp_rank``: one for GPipe/1F1B; every pp-th for interleaved
+    1F1B; a V (stage r and 2p-1-r, so rank 0 holds both ends of the model) for ZB-V."""
+    if pp <= 1:
+        return [0]
+    if schedule == "zbv":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank(pp, schedule, virtual_stages))]
+
+
+def layer_split(n_layers: int, n_stages: int) -> List[range]:
+    """Contiguous blocks per stage, the remainder going to the earliest stages."""
+    base, extra = divmod(n_layers, n_stages)
+    out, start = [], 0
+    for s in range(n_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+@dataclass(frozen=True)
+class RankStages:
+    """What one pipeline rank holds: its stage indices, its layers, and the model's two ends."""
+
+    stages: List[int]
+    layers: List[int]
+    embedding: bool  # the first stage: token (and position) embeddings
+    head: bool  # the last stage: final norm and output head
+
+
+def rank_stages(n_layers: int, pp: int, schedule: str, virtual_stages: int, pp_rank: int) -> RankStages:
+    n_stages = pp * stages_per_rank(pp, schedule, virtual_stages)
+    mine = stage_ids(pp, schedule, virtual_stages, pp_rank)
+    split = layer_split(n_layers, n_stages)
+    layers = [i for s in mine for i in split[s]]
+    return RankStages(mine, layers, 0 in mine, n_stages - 1 in mine)
+
+
+def bubble_fraction(pp: int, microbatches: int, schedule: str, virtual_stages: int = 1) -> float:
+    """Idle share of a pipeline step: (p-1)/(p-1+m) for GPipe and 1F1B (Narayanan et al. 2021);
+    interleaving v stages per rank divides the bubble by v: (p-1)/(p-1+v m). ZB-V schedules the
+    weight-gradient work into the bubble; it is counted as the interleaved form with v=2, an upper
+    bound (the zero-bubble paper reaches ~0 only when F, B and W times balance)."""
+    if pp <= 1:
+        return 0.0
+    v = stages_per_rank(pp, schedule, virtual_stages)
+    return (pp - 1) / (pp - 1 + v * microbatches)
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one replica's share of the global batch runs: ``count`` forward passes of ``size``
+    sequences per optimizer step (gradient accumulation without a pipeline; the pipeline's own
+    microbatches with one)."""
+
+    per_replica: int
+    size: int
+    count: int
+
+
+def batch_split(global_batch: int, dp: int, pp: int, micro_batch: int, microbatches: int) -> BatchSplit:
+    """Without a pipeline: micro-batches of ``trainer.micro_batch`` accumulated. With one: the
+    schedule cuts the replica's batch into ``parallel.microbatches`` (``trainer.micro_batch``
+    does not apply)."""
+    per_replica = max(1, global_batch // max(1, dp))
+    if pp > 1:
+        count = max(1, microbatches)
+        return BatchSplit(per_replica, max(1, per_replica // count), count)
+    size = max(1, min(micro_batch, per_replica))
+    return BatchSplit(per_replica, size, max(1, per_replica // size))
