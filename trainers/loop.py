@@ -26,6 +26,7 @@ from trainers import data as data_mod
 from trainers import rules
 from trainers.config import FaultConfig, TrainerConfig, TrialSpec
 from trainers.model import GPT, RMSNorm, count_params, cross_entropy
+from trainers.memory import model_state_bytes
 from trainers.monitor import FiniteTracker, PrecisionMonitor
 from trainers.parallel import (apply_fsdp, build_mesh, build_stages, clip_grads_,
                                acc_dtype, param_checksum)
@@ -295,6 +296,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         pending_loss.clear()
 
     param_sum_initial = param_checksum(model.params, mesh)
+    state_bytes: Optional[Dict[str, int]] = None
     model.train()
     it = iter(loader)
     for step in range(start_step, targs.steps):
@@ -325,6 +327,9 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         for opt in optims:
             if finite:
                 opt.step()
+        if state_bytes is None:  # what the rank holds at its fullest: after the first step's update
+            state_bytes = model_state_bytes(model.modules, optims)
+        for opt in optims:
             opt.zero_grad(set_to_none=True)
         scaler.update(finite)
         synchronize(device)
@@ -360,6 +365,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     comm_shares = _gather(profiler.result.comm_share if profiler.result else 0.0, device, world)
     peaks = _gather(peak_memory_gb(device), device, world)
     skipped = _gather(float(scaler.skipped_steps), device, world)
+    held = {k: _gather(float((state_bytes or {}).get(k, 0)), device, world) for k in ("params", "grads", "optimizer")}
     param_sum_final = param_checksum(model.params, mesh)
     if rank != 0:
         return None
@@ -383,6 +389,8 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         "world_size": world,
         "resumed_from_step": start_step,
         "bubble_fraction": rules.bubble_fraction(p.pp, p.microbatches, p.schedule, p.virtual_stages),
+        # per rank, in rank order: bytes of parameters, gradients and optimizer state held
+        "model_state_bytes": [{k: int(held[k][r]) for k in held} for r in range(world)],
     }
     summary.update({f"peak_mem_gb_rank{r}": v for r, v in enumerate(peaks)} if world > 1 else {})
     if profiler.result is not None:
