@@ -73,6 +73,8 @@ def markdown(data: Dict[str, Any]) -> str:
     lines += [f"- [x] {h}" for h in data["helped"]] or ["- nothing beat the baseline by more than the threshold"]
     lines += ["", "## What did not", ""]
     lines += [f"- [ ] {h}" for h in data["did_not_help"]] or ["- (every change tried helped)"]
+    if data.get("skipped"):
+        lines += ["", "## Not measured: no effect on the incumbent", ""] + [f"- {s}" for s in data["skipped"]]
     plots = data.get("plots") or []
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]

@@ -141,6 +141,9 @@ def validate(cfg: DictConfig) -> List[str]:
     elif lay.pp == 1 and per_replica % int(t.micro_batch):
         err(f"trainer.global_batch={t.global_batch} / parallel.dp={lay.dp} = {per_replica} is not a multiple of "
             f"trainer.micro_batch={t.micro_batch}")
+    if lay.pp == 1 and int(p.microbatches) != 1:
+        err(f"parallel.microbatches={p.microbatches} applies to a pipeline (parallel.pp>1); without one, "
+            f"gradient accumulation is trainer.global_batch/parallel.dp/trainer.micro_batch: set it to 1")
     if lay.pp > 1:
         # the pipeline splits each replica's batch into parallel.microbatches itself
         if p.microbatches < lay.pp:

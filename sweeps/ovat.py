@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from orchestrator import report, results, sweep, tracking, trial
+from orchestrator import chips, effects, report, results, sweep, tracking, trial
 from orchestrator.results import Point
 
 log = logging.getLogger("orchestrator")
@@ -201,6 +201,15 @@ class Runner:
         self.points[key] = self.by_hash[p.config_hash] = p
         return p
 
+    def no_effect(self, current: Dict[str, str], key: str) -> Optional[str]:
+        """Why every candidate of ``key``, with the other variables at ``current``, would run the
+        same trial (the shared layout rules say the key is inert there), or None."""
+        cfgs = []
+        for v in self.study.variables[key]:
+            cfg = self.compose(self.study.overrides({**current, key: v}))
+            cfgs.append(chips.resolve(cfg))
+        return effects.no_effect(cfgs, key)
+
     def _finished(self, p: Point) -> List[Any]:
         tags = {"trial__config_hash": p.config_hash, "trial__status": tracking.STATUS_OK}
         if not self.study.resume:
@@ -293,14 +302,26 @@ def _row(step: int, pass_: int, variable: str, value: str, p: Point, baseline: P
     }
 
 
+def _skip_row(step: int, pass_: int, variable: str, why: str) -> Dict[str, Any]:
+    return {"step": step, "pass": pass_, "variable": variable, "value": "(every candidate)", "status": "skipped",
+            "n": 0, "objective": None, "values": [], "spread": 0.0, "s_base": None, "s_prev": None,
+            "reference": None, "reference_values": [], "reference_label": None, "final_loss": None,
+            "decision": f"skipped, no effect on the incumbent: {why}", "adopted": False, "run_ids": [],
+            "config_hash": None, "overrides": []}
+
+
 def descend(study: Study, runner: Runner) -> Dict[str, Any]:
-    """Coordinate descent; returns the tuning report's data (see orchestrator.report.render)."""
+    """Coordinate descent; returns the tuning report's data (see orchestrator.report.render).
+    A variable whose candidates would all run the same trial on the incumbent (the layout rules
+    say the key is inert there, e.g. DDP buckets without DDP) is skipped with its reason."""
     current = OrderedDict((k, v[0]) for k, v in study.variables.items())
     keys = list(study.variables)
     baseline = runner.point(dict(current))
-    first = [runner.point({**current, keys[0]: v}) for v in study.variables[keys[0]][1:]]
+    inert = {keys[0]: runner.no_effect(dict(current), keys[0])}
+    first = [] if inert[keys[0]] else [runner.point({**current, keys[0]: v}) for v in study.variables[keys[0]][1:]]
     runner.measure([baseline, *first])  # one batch: the baseline's repeats and the first variable
     rows: List[Dict[str, Any]] = []
+    skipped: List[str] = []
     noise = baseline.spread
     threshold = max(study.min_speedup, 1.0 + noise)
     incumbent = baseline
@@ -322,6 +343,13 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
             break
         adopted_any = False
         for key in keys:
+            why = inert.pop(key) if key in inert else runner.no_effect(dict(current), key)
+            if why:
+                step += 1
+                rows.append(_skip_row(step, pass_, key, why))
+                skipped.append(f"{key}: {why}")
+                log.info("ovat: [pass %d] %s skipped, no effect on the incumbent: %s", pass_, key, why)
+                continue
             cands = [(v, runner.point({**current, key: v})) for v in study.variables[key] if v != current[key]]
             runner.measure([p for _, p in cands])
             verdicts = [(v, p, *judge(p, baseline, incumbent, study, threshold)) for v, p in cands]
@@ -346,7 +374,8 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
     final_overrides = study.overrides(dict(current))
     helped = [f"{r['variable']}={r['value']}: S={results.fmt(r['s_prev'], 3)} over the incumbent, "
               f"{results.fmt(r['s_base'], 3)} over the baseline" for r in rows if r["adopted"]]
-    did_not = [f"{r['variable']}={r['value']}: {r['decision']}" for r in rows[1:] if not r["adopted"]]
+    did_not = [f"{r['variable']}={r['value']}: {r['decision']}" for r in rows[1:]
+               if not r["adopted"] and r["status"] != "skipped"]
     return {
         "kind": "ovat", "study": study.name, "sweep": runner.info["id"], "experiment": runner.experiment,
         "objective": study.objective, "direction": study.direction, "repeats": study.repeats,
@@ -358,7 +387,7 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
                   "command": results.command(final_overrides), "objective": incumbent.value,
                   "s_total": results.speedup(baseline.value, incumbent.value, study.direction),
                   "run_ids": list(incumbent.run_ids), "config_hash": incumbent.config_hash},
-        "helped": helped, "did_not_help": did_not,
+        "helped": helped, "did_not_help": did_not, "skipped": skipped,
         "curves": {label: p.losses.get(p.run_ids[0], []) if p.run_ids else [] for label, p in finalists},
         "trials": {"launched": runner.launched, "reused": runner.reused, "pruned": runner.pruned},
     }

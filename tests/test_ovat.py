@@ -178,10 +178,15 @@ class TableRunner:
     """Coordinate descent driven by a table of known objectives (the descent's logic alone; the
     real runner is exercised end to end above): assignment -> (step time, final loss) or a status."""
 
-    def __init__(self, table):
+    def __init__(self, table, inert=None):
         self.table, self.batches, self.points = table, [], {}
         self.info, self.experiment = {"id": "s"}, "e"
         self.launched = self.reused = self.pruned = 0
+        self.inert = inert or {}  # key -> (assignment of the other variables -> reason or None)
+
+    def no_effect(self, current, key):
+        rule = self.inert.get(key)
+        return rule(current) if rule else None
 
     def point(self, assignment):
         key = tuple(sorted(assignment.items()))
@@ -261,3 +266,83 @@ def test_every_sweep_preset_selects_ovat_and_each_candidate_composes(preset):
                     compose("config", overrides=[f"+sweep={preset}", f"{key}={v}"])
     finally:
         GlobalHydra.instance().clear()
+
+
+def test_a_variable_without_effect_on_the_incumbent_is_skipped_not_measured():
+    from sweeps.ovat import descend
+
+    # "bucket" acts only once "dp" is 2 (DDP buckets need replicas): skipped on the baseline, so
+    # never launched there; after dp=2 is adopted, the second pass measures it
+    table = _table(**{"dp=1__bucket=25": (1.0, 3.0), "dp=2__bucket=25": (0.5, 3.0), "dp=2__bucket=100": (0.25, 3.0),
+                      "dp=1__bucket=100": (1.0, 3.0)})
+    inert = {"bucket": lambda cur: "no DDP buckets" if cur["dp"] == "1" else None}
+    runner = TableRunner(table, inert)
+    data = descend(Study(name="t", variables={"bucket": ["25", "100"], "dp": ["1", "2"]}, fixed=[], passes=2), runner)
+    assert runner.batches[0] == [{"bucket": "25", "dp": "1"}]  # the baseline alone: bucket was inert
+    skipped = [r for r in data["rows"] if r["status"] == "skipped"]
+    assert [(r["pass"], r["variable"]) for r in skipped] == [(1, "bucket")]
+    assert "no DDP buckets" in skipped[0]["decision"] and data["skipped"] == ["bucket: no DDP buckets"]
+    assert data["final"]["assignment"] == {"bucket": "100", "dp": "2"}
+    assert runner.batches[1] == [{"bucket": "25", "dp": "2"}]  # pass 1: dp only
+
+
+def _compose_preset(overrides):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from orchestrator import chips, conf_dir
+    from orchestrator.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+            variables = {k: list(v) for k, v in cfg.hydra.sweeper.variables.items()}
+            base = {k: str(v[0]).lower() if isinstance(v[0], bool) else str(v[0]) for k, v in variables.items()}
+            out = {}
+            for key, values in variables.items():
+                cands = []
+                for v in values:
+                    v = str(v).lower() if isinstance(v, bool) else str(v)
+                    c = compose("config", overrides=[*overrides, *(f"{k}={x}" for k, x in {**base, key: v}.items())])
+                    cands.append(chips.resolve(c))
+                out[key] = cands
+            return out
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def test_the_layout_preset_varies_only_knobs_that_act_on_its_layouts():
+    """The dry run of conf/sweep/layout.yaml as its header runs it: every variable changes what
+    the baseline trial computes (no variable measures noise)."""
+    from orchestrator import effects
+
+    for key, cfgs in _compose_preset(["+sweep=layout", "+chip=ascend910b", "model=llama2_13b"]).items():
+        assert effects.no_effect(cfgs, key) is None, (key, effects.no_effect(cfgs, key))
+        assert effects.differing(cfgs), key
+
+
+def test_the_shared_rules_find_a_no_op_variable(compose_cfg):
+    """The check the sweeper runs: the DDP bucket does nothing on tp8pp4 (dp=1); HCCL_BUFFSIZE
+    does nothing on a CUDA chip; both act where the layout has what they configure."""
+    from orchestrator import chips, effects
+
+    base = ["+sweep=layout", "+chip=ascend910b", "model=llama2_13b", "parallel=tp8pp4"]
+    cfgs = [chips.resolve(compose_cfg([*base, f"comm.bucket_mb={v}"])) for v in (25, 100)]
+    assert "DDP" in effects.no_effect(cfgs, "comm.bucket_mb")
+    cfgs = _compose_preset(["+sweep=layout", "+chip=h100", "model=llama2_13b"])
+    assert "HCCL" in effects.no_effect(cfgs["comm.buffsize_mb"], "comm.buffsize_mb")
+
+
+def test_ddp_buckets_act_only_where_the_trainer_builds_ddp(compose_cfg):
+    from orchestrator import chips, effects
+
+    def cands(*overrides):
+        return [chips.resolve(compose_cfg(["+chip=cpu", *overrides, f"comm.bucket_mb={v}"])) for v in (25, 100)]
+
+    assert effects.no_effect(cands("parallel=dp2"), "comm.bucket_mb") is None
+    # with tp > 1 the replicas are FSDP (rules.dp_wrapping), whatever parallel.dp_shard says
+    assert "DDP" in effects.no_effect(cands("parallel=dp2tp2", "parallel.dp_shard=ddp"), "comm.bucket_mb")
+    assert "DDP" in effects.no_effect(cands("parallel=dp2", "parallel.dp_shard=fsdp"), "comm.bucket_mb")
+    assert "DDP" in effects.no_effect(cands("parallel=single"), "comm.bucket_mb")

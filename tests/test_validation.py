@@ -18,6 +18,7 @@ BROKEN = [
     (["parallel.pp=8", "model.n_layers=4"], "parallel.pp=8"),
     (["parallel=pp2", "parallel.microbatches=1"], "parallel.microbatches"),
     (["parallel=pp2", "parallel.microbatches=3", "trainer.global_batch=8"], "parallel.microbatches=3"),
+    (["parallel=dp2", "parallel.microbatches=4"], "parallel.microbatches=4"),  # no pipeline to cut for
     (["trainer.global_batch=12", "trainer.micro_batch=8"], "trainer.micro_batch"),
     (["parallel=dp2", "trainer.global_batch=9", "trainer.micro_batch=1"], "trainer.global_batch=9"),
     (["model.n_heads=5"], "model.n_heads=5"),
