@@ -9,7 +9,7 @@ with gloo, ``trainer=smoke``. "First step" is the moment rank 0 has finished ste
 - torchrun:  ``torchrun --nproc_per_node 2`` of a script that calls ``trainers.loop.worker_entry``
              with the spec ``orchestrator.trial.build_spec`` makes (the bare baseline);
 - local:     ``orchestrator.launch.launch_local`` (torch's elastic launcher API) from one process;
-- ray:       ``orchestrator.ray_launch.launch_trial``: a local Ray cluster is started, then a
+- ray:       ``orchestrator.ray_trial.launch_trial``: a local Ray cluster is started, then a
              Ray Train worker group;
 - ray-join:  the same, joining a `ray start --head` cluster that is already up (RAY_ADDRESS);
 - cli-local, cli-ray: the real command, ``python -m orchestrator ...`` (with ``hydra/launcher=ray``
@@ -68,16 +68,14 @@ def _spec():
     register_configs()
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         cfg = compose("config", overrides=[*TRIAL, "tracking.enabled=false"])
-    trial.prepare(cfg)
-    return cfg, trial.build_spec(cfg)
+    resolved = trial.resolve(cfg)
+    return resolved, trial.build_spec(cfg, resolved.layout)
 
 
 def child(kind: str, stamp: str) -> None:
     """One timed process (``--child``): build the spec, launch it the ``kind`` way."""
-    from omegaconf import OmegaConf
-
-    cfg, spec = _spec()
-    launch = OmegaConf.to_container(cfg.launch, resolve=True)
+    resolved, spec = _spec()
+    launch = resolved.launch_section()
     if kind == "torchrun":
         from trainers.loop import worker_entry
 
@@ -87,10 +85,10 @@ def child(kind: str, stamp: str) -> None:
 
         launch_local(spec, FirstStep(stamp), 2, launch)
     else:
-        from orchestrator import ray_launch
+        from orchestrator import ray_trial
 
         launch["ray"]["num_cpus"] = 2
-        ray_launch.launch_trial(spec, FirstStep(stamp), 2, launch, placement=ray_launch.Placement.of(cfg))
+        ray_trial.launch_trial(spec, FirstStep(stamp), 2, launch, placement=resolved.placement)
 
 
 def _free_port() -> int:

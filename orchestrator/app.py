@@ -13,12 +13,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from orchestrator import conf_dir, trial
+from orchestrator import conf_dir, ray_sweep, trial
 from orchestrator.config import register_configs
 
 log = logging.getLogger("orchestrator")
 EXIT_FAILED, EXIT_CONFIG = 1, 2
-_task_started = False
 
 
 def _report(result: dict) -> None:
@@ -31,24 +30,14 @@ def _report(result: dict) -> None:
         log.error("run %s ended %s: %s", result["run_id"], result["status"], result.get("reason", ""))
 
 
-def mark_started() -> None:
-    """Composition is over: a later exit 1 is a failure, not a broken config (the Ray launcher
-    runs the task itself in other processes, so main() never runs in this one)."""
-    global _task_started
-    _task_started = True
-
-
-@hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
-def main(cfg: DictConfig):
-    global _task_started
-    _task_started = True
-    hc = HydraConfig.get()
+def main(cfg: DictConfig, hc: DictConfig):
+    """One job: the trial of ``cfg``, with the job's Hydra config ``hc`` (overrides, mode, launcher)."""
     overrides = list(hc.overrides.task)
     multirun = hc.mode == RunMode.MULTIRUN
     # under hydra/launcher=ray every trial goes to Ray; otherwise the trial's size decides
     launcher = "ray" if hc.runtime.choices.get("hydra/launcher") == "ray" else None
     try:
-        result = trial.run(cfg, overrides, launcher=launcher)
+        result = trial.run(cfg, overrides, launcher=launcher, slot=ray_sweep.board_slot(hc))
     except trial.ConfigError as err:
         for line in err.errors:
             print(f"error: {line}", file=sys.stderr)
@@ -62,13 +51,31 @@ def main(cfg: DictConfig):
     return result
 
 
+class Task:
+    """The Hydra task function: :func:`main` for each job. It knows whether a job has started, so
+    that :func:`cli` can tell Hydra's own exit 1 (the command line does not compose) from a
+    trial's; the Ray launcher runs the jobs in other processes, and calls :meth:`mark_started`
+    here once composition is over."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    def mark_started(self) -> None:
+        self.started = True
+
+    def __call__(self, cfg: DictConfig):
+        self.started = True
+        return main(cfg, HydraConfig.get())
+
+
 def cli() -> None:
     register_configs()
+    task = Task()
     try:
-        main()
+        hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")(task)()
     except SystemExit as exc:
         # Hydra exits 1 when it cannot compose (unknown key, wrong type, missing preset):
         # that is bad input, before any trial started
-        if exc.code == 1 and not _task_started:
+        if exc.code == 1 and not task.started:
             raise SystemExit(EXIT_CONFIG) from None
         raise

@@ -28,13 +28,14 @@ from orchestrator import tracking
 
 log = logging.getLogger("orchestrator")
 ENV = "ORCHESTRATOR_SWEEP"  # the job's sweep, as JSON: id, parent run id, tracking uri, experiment
-_active: Optional[Dict[str, str]] = None  # the sweep of the multirun running in this process
 
 
-def active() -> Optional[Dict[str, str]]:
-    """The running multirun's sweep (id, parent run id, uri, experiment), for its sweeper; None
-    outside a multirun or with tracking disabled."""
-    return _active
+def active(hydra_context: Any) -> Optional[Dict[str, str]]:
+    """The running multirun's sweep (id, parent run id, uri, experiment), for its sweeper: what
+    the :class:`SweepCallback` among ``hydra_context``'s callbacks (the sweeper's and launcher's
+    ``hydra_context``) started; None outside a multirun or with tracking disabled."""
+    callbacks = getattr(getattr(hydra_context, "callbacks", None), "callbacks", None) or []
+    return next((c.sweep for c in callbacks if isinstance(c, SweepCallback)), None)
 
 
 def discard(sweep_info: Dict[str, Any]) -> None:
@@ -144,9 +145,8 @@ class SweepCallback(Callback):
         self.sweep: Optional[Dict[str, str]] = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        global _active
         if config.tracking.enabled:
-            self.sweep = _active = start_sweep(config)
+            self.sweep = start_sweep(config)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self.sweep is not None:
@@ -161,8 +161,6 @@ class SweepCallback(Callback):
                 log.warning("sweep %s: progress not recorded: %s", self.sweep["id"], err)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        global _active
-        _active = None
         if self.sweep is not None and not self.sweep.get("discarded"):
             end_sweep(self.sweep)
 

@@ -2,6 +2,10 @@
 
 Nothing is launched and no MLflow run is created for a config that breaks a rule; a trial that
 fails after launch ends with its classified status and reason in MLflow.
+
+A composed config is resolved once (:func:`resolve`: chip resolved, rules checked, layout worked
+out, launch path decided) into a :class:`ResolvedTrial`; the steps after it take their sections
+and the layout from there instead of working them out again.
 """
 from __future__ import annotations
 
@@ -14,8 +18,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import chips, planner, ray_launch, sweep, tracking
-from orchestrator.launch import TrialFailed, launch_local
+from orchestrator import chips, planner, ray_trial, sweep, tracking
+from orchestrator.launch import TrialFailed, launch_local, trial_nodes
+from orchestrator.ray_trial import BoardSlot, Placement
 from orchestrator.validate import Layout, layout, validate
 from trainers.config import TrialSpec
 
@@ -30,26 +35,56 @@ class ConfigError(ValueError):
         self.errors = errors
 
 
-def prepare(cfg: DictConfig) -> DictConfig:
-    """Resolve the chip and check every rule; raise ConfigError listing all broken ones."""
+@dataclass(frozen=True)
+class ResolvedTrial:
+    """A composed config made concrete once, for one trial: ``cfg`` with its chip resolved and
+    every rule checked, its ``layout`` (``parallel.dp=-1`` filled), the ``nodes`` it spans, and
+    its launch path: ``path`` is ``local`` (torch's elastic launcher on this node) or ``ray``,
+    with ``placement`` saying how its workers ask Ray for devices."""
+    cfg: DictConfig
+    layout: Layout
+    nodes: int
+    path: str
+    placement: Placement
+
+    def launch_section(self) -> Dict[str, Any]:
+        """``launch`` as plain data, what a launch path gets."""
+        return OmegaConf.to_container(self.cfg.launch, resolve=True)
+
+
+def resolve(cfg: DictConfig, launcher: Optional[str] = None) -> ResolvedTrial:
+    """Resolve the chip, check every rule (raise ConfigError listing all broken ones), work out
+    the layout and the launch path. ``launcher``: None chooses (Ray when the trial spans nodes or
+    a cluster address is set, else local), "local" or "ray" (``hydra/launcher=ray``) forces one."""
     chips.resolve(cfg)
-    errors = validate(cfg) + ray_launch.launch_errors(cfg)
+    lay = layout(cfg)
+    nodes = trial_nodes(lay.world_size, int(cfg.chip.devices_per_node), int(cfg.launch.nnodes))
+    errors = validate(cfg) + ray_trial.launch_errors(cfg.chip, cfg.launch, lay.world_size, nodes)
     if errors:
         raise ConfigError(errors)
-    return cfg
+    to_ray = launcher == "ray" or (launcher is None and ray_trial.goes_to_ray(nodes, cfg.launch.ray))
+    return ResolvedTrial(cfg, lay, nodes, "ray" if to_ray else "local",
+                         Placement.of(cfg.chip, cfg.launch.ray, nodes))
 
 
-def build_spec(cfg: DictConfig) -> TrialSpec:
+def prepare(cfg: DictConfig) -> DictConfig:
+    """Resolve the chip and check every rule; raise ConfigError listing all broken ones.
+    Returns ``cfg`` (completed in place); :func:`resolve` returns what was worked out too."""
+    return resolve(cfg).cfg
+
+
+def build_spec(cfg: DictConfig, lay: Optional[Layout] = None) -> TrialSpec:
     """The trainer's sections as their own dataclasses (one schema, ``trainers/config.py``), the
-    layout filled in, the chip turned into a runtime."""
-    lay = layout(cfg)
+    layout (``lay``, else worked out from ``cfg``) filled in, the chip turned into a runtime."""
+    lay = lay or layout(cfg)
     sections = {k: OmegaConf.to_object(cfg[k]) for k in ("model", "trainer", "data", "precision", "comm", "parallel")}
     sections["parallel"].dp, sections["parallel"].tp, sections["parallel"].pp = lay.dp, lay.tp, lay.pp
     return TrialSpec(**sections, runtime=chips.runtime(cfg.chip, cfg.comm, cfg.precision.compute_dtype))
 
 
-def trial_tags(cfg: DictConfig) -> Dict[str, str]:
-    lay = layout(cfg)
+def trial_tags(cfg: DictConfig, lay: Optional[Layout] = None) -> Dict[str, str]:
+    """The run's tags of a trial (``lay``: its layout, else worked out from ``cfg``)."""
+    lay = lay or layout(cfg)
     tags = {
         "chip": cfg.chip.name,
         "chip.source": cfg.chip.source,
@@ -65,9 +100,10 @@ def trial_tags(cfg: DictConfig) -> Dict[str, str]:
 
 
 def record_infeasible(cfg: DictConfig, overrides: Iterable[str], errors: List[str], status: str = "infeasible",
-                      preflight: Optional[Dict[str, Any]] = None) -> str:
-    """A trial that cannot run still gets a run, with its status and the reasons; not launched."""
-    tags = trial_tags(cfg) if not OmegaConf.is_missing(cfg.chip, "name") else {}
+                      preflight: Optional[Dict[str, Any]] = None, lay: Optional[Layout] = None) -> str:
+    """A trial that cannot run still gets a run, with its status and the reasons; not launched.
+    ``lay``: its layout when already worked out."""
+    tags = trial_tags(cfg, lay) if not OmegaConf.is_missing(cfg.chip, "name") else {}
     tags.update(sweep.child_tags(cfg.tracking))
     uri, run_id = tracking.start_run(cfg, overrides, tags)
     if preflight is not None:
@@ -110,7 +146,7 @@ def check(cfg: DictConfig) -> Dict[str, Any]:
     report (None for a broken rule) and the ``config_hash`` its run will carry. ``cfg`` is
     completed as :func:`start` completes it (chip resolved, the planner's mappings applied)."""
     try:
-        prepare(cfg)
+        resolve(cfg)
     except ConfigError as err:
         return {"status": "infeasible", "reasons": err.errors, "preflight": None,
                 "config_hash": tracking.config_hash(cfg)}
@@ -124,39 +160,48 @@ class Trial:
     """A trial past validation and preflight: recorded in MLflow (a run with status running) and
     ready to launch with ``spec``, or already ended before any launch (``spec`` is None, the
     result says infeasible or unsupported_op)."""
-    cfg: DictConfig
+    resolved: ResolvedTrial
     overrides: List[str]
-    layout: Layout
     result: Dict[str, Any]
     spec: Optional[TrialSpec] = None
     reporter: Optional[tracking.MlflowReporter] = None
+
+    @property
+    def cfg(self) -> DictConfig:
+        return self.resolved.cfg
+
+    @property
+    def layout(self) -> Layout:
+        return self.resolved.layout
 
 
 # a launch path: (spec, reporter, world_size, launch section) -> rank 0's summary; raises TrialFailed
 LaunchFn = Callable[[TrialSpec, Any, int, Dict[str, Any]], Dict[str, Any]]
 
 
-def start(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None) -> Trial:
+def start(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None,
+          launcher: Optional[str] = None) -> Trial:
     """Validate, preflight and record one trial, up to the launch; both launch paths share it.
+    ``launcher`` decides the launch path as in :func:`resolve`.
 
     Raises ConfigError (before anything is launched or recorded) for a broken config.
     """
-    prepare(cfg)
+    resolved = resolve(cfg, launcher)
     overrides = list(overrides)
-    lay = layout(cfg)
+    lay = resolved.layout
     report = _preflight(cfg)
     result: Dict[str, Any] = {"status": "running", "run_id": None, "preflight": report}
-    trial = Trial(cfg, overrides, lay, result)
+    trial = Trial(resolved, overrides, result)
     if not report["feasible"]:
         status = _infeasible_status(report)
         result.update(status=status, reason="; ".join(report["reasons"]))
         if cfg.tracking.enabled:
-            result["run_id"] = record_infeasible(cfg, overrides, report["reasons"], status, report)
+            result["run_id"] = record_infeasible(cfg, overrides, report["reasons"], status, report, lay)
         return trial
-    spec = build_spec(cfg)
+    spec = build_spec(cfg, lay)
     reporter = None
     if cfg.tracking.enabled:
-        uri, run_id = tracking.start_run(cfg, overrides, {**trial_tags(cfg), **sweep.child_tags(cfg.tracking)})
+        uri, run_id = tracking.start_run(cfg, overrides, {**trial_tags(cfg, lay), **sweep.child_tags(cfg.tracking)})
         result["run_id"] = run_id
         reporter = tracking.MlflowReporter(uri, run_id, int(cfg.trainer.steps), progress)
         tracking.log_metrics(uri, run_id, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "world_size": lay.world_size})
@@ -170,15 +215,17 @@ def start(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = 
     return trial
 
 
-def finish(trial: Trial, launch: LaunchFn) -> Dict[str, Any]:
-    """Launch a started trial with ``launch`` (local or Ray) and record how it ended."""
-    cfg, lay, result, reporter = trial.cfg, trial.layout, trial.result, trial.reporter
+def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
+    """Launch a started trial with ``launch`` (default: its own launch path, see
+    :func:`launch_path`) and record how it ended."""
+    chip, lay, result, reporter = trial.resolved.cfg.chip, trial.resolved.layout, trial.result, trial.reporter
     if trial.spec is None:
         return result
-    log.info("trial %s on %s%s: %s, %d process(es)", result["run_id"] or "(untracked)", cfg.chip.name,
-             " (emulated)" if cfg.chip.emulate else "", f"dp{lay.dp}tp{lay.tp}pp{lay.pp}", lay.world_size)
+    launch = launch or launch_path(trial.resolved)
+    log.info("trial %s on %s%s: %s, %d process(es)", result["run_id"] or "(untracked)", chip.name,
+             " (emulated)" if chip.emulate else "", f"dp{lay.dp}tp{lay.tp}pp{lay.pp}", lay.world_size)
     try:
-        summary = launch(trial.spec, reporter, lay.world_size, OmegaConf.to_container(cfg.launch, resolve=True))
+        summary = launch(trial.spec, reporter, lay.world_size, trial.resolved.launch_section())
         result.update(status=tracking.STATUS_OK, summary=summary)
     except TrialFailed as err:
         result.update(status=err.status, reason=err.reason)
@@ -192,22 +239,23 @@ def finish(trial: Trial, launch: LaunchFn) -> Dict[str, Any]:
     return result
 
 
-def launch_path(cfg: DictConfig, launcher: Optional[str] = None) -> LaunchFn:
-    """The local elastic launcher for a trial on this node; Ray when ``launcher="ray"``
-    (``hydra/launcher=ray``), when the trial spans nodes, or when a cluster address is set."""
-    if launcher == "ray" or (launcher is None and ray_launch.goes_to_ray(cfg)):
-        return ray_launch.trial_launcher(cfg)
+def launch_path(resolved: ResolvedTrial, slot: Optional[BoardSlot] = None) -> LaunchFn:
+    """The trial's launch path (decided by :func:`resolve`): the local elastic launcher, or Ray
+    with the trial's placement; ``slot``: a Ray sweep job's place on its sweep's progress board."""
+    if resolved.path == "ray":
+        return ray_trial.trial_launcher(resolved.placement, slot)
     return launch_local
 
 
 def run(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None,
-        launcher: Optional[str] = None) -> Dict[str, Any]:
+        launcher: Optional[str] = None, slot: Optional[BoardSlot] = None) -> Dict[str, Any]:
     """Validate, launch and record one trial; returns a result dict with status and run id.
 
-    ``launcher``: None chooses (see :func:`launch_path`), "local" or "ray" forces a path.
+    ``launcher``: None chooses (see :func:`resolve`), "local" or "ray" forces a path; ``slot``:
+    the job's place on its Ray sweep's progress board (``orchestrator.ray_sweep.board_slot``).
     Raises ConfigError (before anything is launched or recorded) for a broken config.
     """
-    trial = start(cfg, overrides, progress)
+    trial = start(cfg, overrides, progress, launcher)
     if trial.spec is None:
         return trial.result
-    return finish(trial, launch_path(cfg, launcher))
+    return finish(trial, launch_path(trial.resolved, slot))

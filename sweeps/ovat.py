@@ -393,9 +393,8 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
     }
 
 
-def _fail_study(errors: List[str]) -> None:
+def _fail_study(errors: List[str], info: Optional[Dict[str, Any]] = None) -> None:
     """Bad input: one line per broken key, exit 2; the sweep's parent run is removed again."""
-    info = sweep.active()
     if info is not None:
         sweep.discard(info)
     for line in errors:
@@ -415,7 +414,7 @@ def _check_composes(study: Study, runner: Runner) -> None:
                 msg = " ".join(str(err).split("Config search path")[0].split())
                 errors.append(f"{PREFIX}.variables.{key}: candidate {v!r} does not compose: {msg[:300]}")
     if errors:
-        _fail_study(errors)
+        _fail_study(errors, runner.info)
 
 
 def run_study(sweeper: Any, arguments: List[str]) -> List[Any]:
@@ -430,8 +429,8 @@ def run_study(sweeper: Any, arguments: List[str]) -> List[Any]:
     try:
         study = parse_study(spec, arguments, parser, name)
     except StudyError as err:
-        _fail_study(err.errors)
-    info = sweep.active()
+        _fail_study(err.errors, sweep.active(sweeper.hydra_context))
+    info = sweep.active(sweeper.hydra_context)
     if info is None:
         _fail_study(["tracking.enabled=false: the ovat sweeper reads every measurement back from MLflow; "
                      "enable tracking (tracking.uri may point at any store)"])

@@ -71,6 +71,8 @@ def ray_head(tmp_path_factory):
     port, dashboard = free_port(), free_port()
     env = cli_env(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     env.pop("PYTHONPATH", None)
+    # a submitted job's `python` is this environment's, activated or not
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [RAY, "start", "--head", "--block", "--num-cpus=4", "--node-ip-address=127.0.0.1", f"--port={port}",

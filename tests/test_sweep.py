@@ -31,3 +31,20 @@ def test_a_basic_multirun_nests_its_trials_under_a_parent_run(tmp_path):
     done = metric_history(uri, parent.info.run_id, "trials_done")
     failed = metric_history(uri, parent.info.run_id, "trials_failed")
     assert done[-1].value == 1 and failed[-1].value == 1
+
+
+def test_a_sweeper_finds_its_sweep_through_hydra_s_context():
+    """The sweep callback's parent run reaches the sweeper through the context Hydra hands both."""
+    from hydra._internal.callbacks import Callbacks
+    from hydra.types import HydraContext
+
+    from orchestrator import sweep
+
+    callbacks = Callbacks()
+    context = HydraContext(config_loader=None, callbacks=callbacks)
+    assert sweep.active(context) is None  # no sweep callback configured
+    callback = sweep.SweepCallback()
+    callbacks.callbacks.append(callback)
+    assert sweep.active(context) is None  # tracking disabled: no parent run
+    callback.sweep = {"id": "s1", "parent_run_id": "r1", "uri": "sqlite:///x.db", "experiment": "default"}
+    assert sweep.active(context) is callback.sweep

@@ -26,6 +26,6 @@ class RayLauncher(Launcher):
         self.config, self.hydra_context, self.task_function = config, hydra_context, task_function
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[Any]:
-        from orchestrator.ray_launch import launch_jobs
+        from orchestrator.ray_sweep import launch_jobs
 
         return launch_jobs(self, job_overrides, initial_job_idx)

@@ -1,5 +1,4 @@
-"""Trials on a Ray cluster: a Ray Train worker group per trial, and the core of the
-``hydra/launcher=ray`` launcher, which submits every trial of a sweep at once.
+"""A trial on a Ray cluster: where its workers go, a Ray Train worker group, why it failed.
 
 A trial goes to Ray when the sweep's launcher is ``ray``, when it spans more than one node, or
 when a cluster address is set (``launch.ray.address`` or ``RAY_ADDRESS``); a single trial on one
@@ -13,7 +12,9 @@ sets up the process group (gloo on CPU and for emulated chips, nccl on CUDA, hcc
 runs ``trainers.loop.worker_entry``; rank 0 sends per-step metrics to MLflow in batches through
 the trial's reporter, never through Ray.
 
-Ray is imported inside the functions: composing or validating a config never imports it.
+The sweep side of Ray (the ``hydra/launcher=ray`` core, which submits every trial of a sweep at
+once) is :mod:`orchestrator.ray_sweep`. Ray is imported inside the functions: composing or
+validating a config never imports it.
 """
 from __future__ import annotations
 
@@ -23,22 +24,14 @@ import logging
 import math
 import os
 import re
-import shutil
-import sys
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from omegaconf import DictConfig
-
-from orchestrator.launch import TrialFailed, classify, trial_nodes
-from orchestrator.validate import layout
+from orchestrator.launch import TrialFailed, classify
 
 log = logging.getLogger("orchestrator")
-
-# the sweep's progress board and this job's key on it, while a sweep job runs in this process
-_board_slot: Optional[Tuple[Any, int]] = None
 
 
 def cluster_address(ray_cfg: Any) -> Optional[str]:
@@ -47,25 +40,21 @@ def cluster_address(ray_cfg: Any) -> Optional[str]:
     return str(address) if address else None
 
 
-def _nodes(cfg: DictConfig) -> int:
-    return trial_nodes(layout(cfg).world_size, int(cfg.chip.devices_per_node), int(cfg.launch.nnodes))
-
-
-def goes_to_ray(cfg: DictConfig) -> bool:
+def goes_to_ray(nodes: int, ray_cfg: Any) -> bool:
     """A trial larger than one node, or any trial when a cluster address is set."""
-    return _nodes(cfg) > 1 or cluster_address(cfg.launch.ray) is not None
+    return nodes > 1 or cluster_address(ray_cfg) is not None
 
 
-def launch_errors(cfg: DictConfig) -> List[str]:
-    """Rules of where a trial can run (the planner plans any node count; a launch cannot)."""
-    nodes = _nodes(cfg)
-    if nodes == 1 or cluster_address(cfg.launch.ray) is not None:
+def launch_errors(chip: Any, launch: Any, world_size: int, nodes: int) -> List[str]:
+    """Rules of where a trial of ``world_size`` processes on ``nodes`` nodes can run (the planner
+    plans any node count; a launch cannot). ``chip`` and ``launch`` are those config sections."""
+    if nodes == 1 or cluster_address(launch.ray) is not None:
         return []
     fix = "a multi-node trial runs on a Ray cluster: set launch.ray.address (or RAY_ADDRESS) to one"
-    if int(cfg.launch.nnodes) > 1:
-        return [f"launch.nnodes={cfg.launch.nnodes}: {fix}"]
-    return [f"parallel: dp*tp*pp={layout(cfg).world_size} needs {nodes} nodes of chip={cfg.chip.name} "
-            f"(chip.devices_per_node={cfg.chip.devices_per_node}); {fix}"]
+    if int(launch.nnodes) > 1:
+        return [f"launch.nnodes={launch.nnodes}: {fix}"]
+    return [f"parallel: dp*tp*pp={world_size} needs {nodes} nodes of chip={chip.name} "
+            f"(chip.devices_per_node={chip.devices_per_node}); {fix}"]
 
 
 @dataclass(frozen=True)
@@ -76,10 +65,10 @@ class Placement:
     exclusive: bool  # whole nodes: each worker holds its share of all of a node's `resource`
 
     @classmethod
-    def of(cls, cfg: DictConfig) -> "Placement":
-        chip = cfg.chip
+    def of(cls, chip: Any, ray_cfg: Any, nodes: int) -> "Placement":
+        """From the ``chip`` and ``launch.ray`` sections, for a trial spanning ``nodes`` nodes."""
         resource = "CPU" if chip.emulate or chip.device_type == "cpu" else str(chip.ray_resource)
-        return cls(resource, _nodes(cfg), bool(cfg.launch.ray.exclusive))
+        return cls(resource, int(nodes), bool(ray_cfg.exclusive))
 
     def units(self, world_size: int, node_totals: Sequence[float]) -> int:
         """Whole units of ``resource`` per worker, checked against the cluster's nodes; raises
@@ -101,6 +90,15 @@ class Placement:
             raise TrialFailed("infeasible", f"needs {world_size} x {units} {self.resource}; the Ray cluster has "
                                             f"{sum(totals)} on {len(totals)} node(s)")
         return units
+
+
+@dataclass(frozen=True)
+class BoardSlot:
+    """A sweep job's place on its sweep's progress board (``orchestrator.ray_sweep``): the board,
+    a named Ray actor, and the job's key on it. Rank 0 marks the key once the trial's workers are
+    placed, so the sweep can tell a running trial from a queued one."""
+    board: str
+    key: int
 
 
 @contextlib.contextmanager
@@ -154,20 +152,6 @@ class _Attempts:
         return n
 
 
-class _Board:
-    """The sweep's trials whose workers have been placed: an unfinished trial is queued until
-    then, running after (through restarts, and while its end is recorded)."""
-
-    def __init__(self) -> None:
-        self._placed: set = set()
-
-    def place(self, key: int) -> None:
-        self._placed.add(key)
-
-    def placed(self) -> set:
-        return set(self._placed)
-
-
 def _train_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     """One Ray Train worker: the process group is already up (Ray Train's TorchConfig)."""
     import ray
@@ -193,7 +177,8 @@ def _train_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 _COLLATERAL = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
+    """The last non-blank line of ``text`` (an error's own message, under its traceback)."""
     lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
 
@@ -214,19 +199,20 @@ def failure_reason(err: Exception) -> str:
     failures: Dict[int, Exception] = getattr(err, "worker_failures", None) or {}
     if not failures:
         inner = getattr(err, "controller_failure", None) or err
-        return f"{type(inner).__name__}: {_last_line(str(inner))}"
+        return f"{type(inner).__name__}: {last_line(str(inner))}"
     for rank, failure in sorted(failures.items()):
         if hasattr(failure, "health_check_failure"):
             return f"rank {rank}: {_death(failure.health_check_failure)}"
     ranked = sorted(failures.items(), key=lambda kv: (any(c in str(kv[1]).lower() for c in _COLLATERAL), kv[0]))
     rank, failure = ranked[0]
-    return f"rank {rank}: {type(failure).__name__}: {_last_line(str(failure))}"
+    return f"rank {rank}: {type(failure).__name__}: {last_line(str(failure))}"
 
 
 def launch_trial(spec: Dict[str, Any], reporter: Any, world_size: int, launch: Dict[str, Any], *,
-                 placement: Placement) -> Dict[str, Any]:
+                 placement: Placement, slot: Optional[BoardSlot] = None) -> Dict[str, Any]:
     """Run ``trainers.loop.worker_entry`` in ``world_size`` Ray Train workers; rank 0's summary.
-    The same signature as :func:`orchestrator.launch.launch_local`."""
+    The same signature as :func:`orchestrator.launch.launch_local`, plus where the workers go and,
+    for a job of a Ray sweep, its ``slot`` on the sweep's progress board."""
     ray_cfg = launch.get("ray") or {}
     with cluster(ray_cfg):
         import ray
@@ -239,7 +225,7 @@ def launch_trial(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
         # backend variables (HCCL_BUFFSIZE, NCCL_BUFFSIZE) before the workers start, unless the
         # user set them; the trainer applies them again, for the local path
         env = {k: str(v) for k, v in rt.env.items() if k not in os.environ}
-        board, key = _board_slot or (None, -1)
+        board, key = (ray.get_actor(slot.board), slot.key) if slot is not None else (None, -1)
         trainer = _trainer_class()(
             _train_worker,
             train_loop_config={"spec": spec, "reporter": reporter, "cwd": os.getcwd(), "board": board, "key": key,
@@ -300,134 +286,6 @@ def _accelerator_callbacks(resource: str) -> Optional[list]:
     return [ShareNpus()]
 
 
-def trial_launcher(cfg: DictConfig):
-    """The Ray launch path for ``cfg``, with the signature of ``launch_local``."""
-    return functools.partial(launch_trial, placement=Placement.of(cfg))
-
-
-# ---------------------------------------------------------------------------------------------
-# the hydra/launcher=ray core (the plugin shim in hydra_plugins/ray_launcher calls launch_jobs)
-
-
-def _run_job(hydra_context: Any, task_function: Any, config: DictConfig, singleton_state: Any, board: Any,
-             key: int, cwd: str) -> Any:
-    """One sweep job, in a Ray task on the sweep's node: Hydra's run_job, as the basic launcher
-    would run it, with this job's slot on the progress board."""
-    global _board_slot
-    from hydra.core.singleton import Singleton
-    from hydra.core.utils import run_job
-
-    if os.path.isdir(cwd):
-        os.chdir(cwd)
-    Singleton.set_state(singleton_state)
-    _board_slot = (board, key)
-    try:
-        return run_job(hydra_context=hydra_context, task_function=task_function, config=config,
-                       job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
-    finally:
-        _board_slot = None
-
-
-def _outcome(ret: Any) -> Tuple[str, str]:
-    from hydra.core.utils import JobStatus
-
-    if ret.status == JobStatus.FAILED:
-        err = ret._return_value
-        return "crash", f"{type(err).__name__}: {_last_line(str(err))}"
-    value = ret.return_value if isinstance(ret.return_value, dict) else {}
-    return str(value.get("status", "finished")), str(value.get("reason") or value.get("run_id") or "")
-
-
-class _SweepBar:
-    """Trials queued, running, done, failed, on one console line (quiet when not a terminal)."""
-
-    def __init__(self, total: int, enabled: Optional[bool] = None):
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self._bar = None
-        if self.enabled:
-            from tqdm import tqdm
-
-            # a terminal that reports no size (0 x 0) would hide the bar: assume 100 x 20 there
-            size = shutil.get_terminal_size((100, 20))
-            self._bar = tqdm(total=total, desc="sweep", file=sys.stderr, ncols=size.columns, nrows=size.lines,
-                             bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}{postfix}")
-
-    def show(self, queued: int, running: int, done: int, failed: int) -> None:
-        if self._bar is not None:
-            self._bar.n = done + failed
-            self._bar.set_postfix({"queued": queued, "running": running, "done": done, "failed": failed})
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-
-
-def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[Any]:
-    """Submit every job of the batch to Ray at once; each runs when its trial's devices are free."""
-    from hydra.core.singleton import Singleton
-    from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
-    from omegaconf import open_dict
-
-    from orchestrator.app import mark_started
-
-    mark_started()
-    setup_globals()
-    config = launcher.config
-    configure_log(config.hydra.hydra_logging, config.hydra.verbose)
-    Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
-    jobs = []
-    for i, overrides in enumerate(job_overrides):
-        idx = initial_job_idx + i
-        job_cfg = launcher.hydra_context.config_loader.load_sweep_config(config, list(overrides))
-        with open_dict(job_cfg):
-            job_cfg.hydra.job.id = f"{idx}"
-            job_cfg.hydra.job.num = idx
-        jobs.append((idx, list(overrides), job_cfg))
-
-    # the cluster lives as long as the multirun (a sweeper may send several batches)
-    with cluster(config.launch.ray, keep=True):
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        board = ray.remote(num_cpus=0)(_Board).remote()
-        # the jobs' own processes hold no devices (their trials' workers do) and stay on this node,
-        # beside the sweep's files and MLflow store; a job is never re-run (it would record twice)
-        run = ray.remote(_run_job).options(
-            num_cpus=0, max_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False))
-        resources = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "NPU")}
-        log.info("Ray launcher: %d trial(s) on a cluster of %s; sweep dir %s", len(jobs), resources,
-                 config.hydra.sweep.dir)
-        state = Singleton.get_state()
-        pending = {}
-        for idx, overrides, job_cfg in jobs:
-            log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
-            ref = run.remote(launcher.hydra_context, launcher.task_function, job_cfg, state, board, idx, os.getcwd())
-            pending[ref] = (idx, overrides, job_cfg)
-        results: Dict[int, Any] = {}
-        counts = {"done": 0, "failed": 0}
-        bar = _SweepBar(len(jobs))
-        try:
-            while pending:
-                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0)
-                for ref in ready:
-                    idx, overrides, job_cfg = pending.pop(ref)
-                    try:
-                        ret = ray.get(ref)
-                    except Exception as err:  # noqa: BLE001 - the job's process died: the sweep goes on
-                        ret = JobReturn(overrides=overrides, cfg=job_cfg, status=JobStatus.FAILED)
-                        ret.return_value = err
-                    results[idx] = ret
-                    status, detail = _outcome(ret)
-                    counts["done" if status == "finished" else "failed"] += 1
-                    log.info("#%d %s: %s", idx, status, detail)
-                placed = ray.get(board.placed.remote())
-                running = sum(idx in placed for idx, _, _ in pending.values())
-                bar.show(len(pending) - running, running, counts["done"], counts["failed"])
-        except KeyboardInterrupt:
-            for ref in pending:
-                ray.cancel(ref, force=True)
-            raise
-        finally:
-            bar.close()
-    return [results[idx] for idx, _, _ in jobs]
+def trial_launcher(placement: Placement, slot: Optional[BoardSlot] = None):
+    """The Ray launch path of a trial placed so, with the signature of ``launch_local``."""
+    return functools.partial(launch_trial, placement=placement, slot=slot)
