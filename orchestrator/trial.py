@@ -88,6 +88,7 @@ def trial_tags(cfg: DictConfig, lay: Optional[Layout] = None) -> Dict[str, str]:
     tags = {
         "chip": cfg.chip.name,
         "chip.source": cfg.chip.source,
+        "chip.vendor": cfg.chip.vendor,
         "emulated": str(bool(cfg.chip.emulate)).lower(),
         "model": cfg.model.name,
         "precision": cfg.precision.name,
