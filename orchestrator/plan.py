@@ -113,11 +113,16 @@ def calibrate_into(cfg: DictConfig) -> str:
     if not trials:
         return f"defaults: no finished trial of chip={cfg.chip.name} in experiment {cfg.tracking.experiment!r}"
     cal = planner.calibrate(trials, cfg.planner)
+    loo = planner.cross_validate(trials, cfg.planner)  # before the fitted factors replace the configured
     cfg.planner.compute_efficiency, cfg.planner.comm_efficiency = cal.compute_efficiency, cal.comm_efficiency
     cfg.planner.collective_latency_us = cal.collective_latency_us
     rho = "n/a" if cal.spearman_rho is None else f"{cal.spearman_rho:.2f}"
-    return (f"{cal.n_fitted} factor(s) fitted to {cal.n_runs} trial(s): median |error| {_pct(cal.median_abs_rel_error)},"
-            f" Spearman rho {rho}")
+    text = (f"{cal.n_fitted} factor(s) fitted to {cal.n_runs} trial(s): median |error| "
+            f"{_pct(cal.median_abs_rel_error)}, Spearman rho {rho}")
+    if loo.n_runs:  # the fit judged on layouts it did not see
+        loo_rho = "n/a" if loo.spearman_rho is None else f"{loo.spearman_rho:.2f}"
+        text += f"; each layout left out in turn: median |error| {_pct(loo.median_abs_rel_error)}, rho {loo_rho}"
+    return text
 
 
 def probe(cfg: DictConfig, path: str) -> Dict[str, Dict[str, str]]:

@@ -264,6 +264,77 @@ def test_comm_buffers_per_communicator_and_ddp_buckets():
     assert gloo.comm_buffers == 0
 
 
+def test_shards_are_cut_as_torch_chunk_cuts():
+    """DTensor's Shard and FSDP2 both cut with torch.chunk: pieces of ceil(n/k), the last ones
+    smaller or empty. The planner's per-rank counts follow it, not n/k."""
+    import torch
+
+    for n in range(0, 13):
+        for k in range(1, 6):
+            pieces = [c.shape[0] for c in torch.chunk(torch.empty(n), k)] if n else []
+            pieces += [0] * (k - len(pieces))
+            assert [planner.chunk(n, k, i) for i in range(k)] == pieces, (n, k)
+
+
+def test_state_bytes_per_rank_follow_the_mesh_and_the_most_loaded_is_planned():
+    """Global rank r is (dp r // (tp pp), pp (r // tp) % pp, tp r % tp). A vocabulary that TP
+    does not divide leaves TP rank 0 one row more; memory_plan plans the most loaded rank."""
+    m = model(vocab_size=51201, n_layers=4, tie_embeddings=False, pos_emb="learned")
+    s = ParallelShape(dp=2, tp=2, pp=2, microbatches=4, micro_batch=1, seq_len=2048, fsdp=True)
+    prec = precision()
+    per_rank = [planner.rank_model_state(m, s, prec, DEFAULTS.planner, r) for r in range(8)]
+    assert [s.coords(r) for r in (0, 1, 2, 5, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert per_rank[0].params > per_rank[1].params  # the extra vocabulary row, on TP rank 0
+    assert per_rank[0].params != per_rank[2].params  # the first stage holds the embeddings
+    # FSDP cuts each TP shard over dp: the 25601 vocabulary rows of TP rank 0 as 12801 + 12800
+    assert per_rank[0].params - per_rank[4].params == 4 * m.d
+    assert all(per_rank[4 + i].params <= per_rank[i].params for i in range(4))
+    assert all(r.grads == r.params and r.optimizer == 2 * r.params for r in per_rank)  # fp32: 4 + 4 + 8
+    # the 8 ranks hold every element once (FSDP's dp pieces add up to the TP shard), except what
+    # TP replicates, which both TP ranks hold: the norms and the learned positions
+    total = sum(r.params for r in per_rank) // 4
+    assert total == m.n_params + 4 * m.layer_replicated + m.norm_params + m.positions
+    mp = planner.memory_plan(m, s, prec, DEFAULTS.comm, preset("chip", "a100"), DEFAULTS.planner)
+    # the pipeline rank with the largest total (here the last: the loss's fp32 log-probabilities),
+    # and of its ranks the most loaded one
+    assert mp.rank == 1
+    assert mp.params == max(p.params for r, p in enumerate(per_rank) if s.coords(r)[1] == mp.rank)
+
+
+def test_without_overlap_dp_buffers_and_collectives():
+    """comm.overlap=false: DDP has no wrapper; after the backward pass every gradient is copied
+    into flat buckets of comm.bucket_mb, all in flight at once (trainers/comm.py); FSDP is one
+    unit per stage: all the stage's parameters gathered and its full gradient before the
+    reduce-scatter, one all-gather and one reduce-scatter per stage."""
+    m, chip, prec = ModelShape.of(preset("model", "llama2_7b")), preset("chip", "ascend910b"), precision()
+    pb, gb, _ = planner.state_bytes(prec, DEFAULTS.planner)
+    on, off = DEFAULTS.comm, OmegaConf.merge(DEFAULTS.comm, {"overlap": False})
+    ddp = ParallelShape(8, 1, 1, 1, 1, 4096)
+    assert planner.memory_plan(m, ddp, prec, on, chip, DEFAULTS.planner).dp_buffers == 4 * m.n_params
+    view = planner_cfg(ddp_bucket_view=True)  # a DDP option: without the wrapper it does not apply
+    assert planner.memory_plan(m, ddp, prec, on, chip, view).dp_buffers == 2 * 25 * 2**20
+    assert planner.memory_plan(m, ddp, prec, off, chip, view).dp_buffers == 4 * m.n_params
+    p_on = planner.step_parts(m, ddp, prec, on, chip, DEFAULTS.planner)
+    p_off = planner.step_parts(m, ddp, prec, off, chip, DEFAULTS.planner)
+    assert p_off.dp_calls == p_on.dp_calls == math.ceil(4 * m.n_params / (25 * 2**20))
+    assert p_on.overlap == DEFAULTS.planner.dp_overlap and p_off.overlap == 0.0
+    assert planner.combine(p_off, 0.5, 0.7).dp_exposed_s == planner.combine(p_off, 0.5, 0.7).dp_comm_s
+
+    fsdp = ParallelShape(8, 1, 1, 1, 1, 4096, fsdp=True)
+    n = planner.rank_params(m, fsdp, planner.rank_contents(m, fsdp, 0))
+    assert n == m.n_params
+    block = planner.block_params(m, fsdp)
+    assert planner.memory_plan(m, fsdp, prec, on, chip, DEFAULTS.planner).dp_buffers == block * (2 * pb + gb)
+    assert planner.memory_plan(m, fsdp, prec, off, chip, DEFAULTS.planner).dp_buffers == n * (pb + gb)
+    f_on = planner.step_parts(m, fsdp, prec, on, chip, DEFAULTS.planner)
+    f_off = planner.step_parts(m, fsdp, prec, off, chip, DEFAULTS.planner)
+    assert f_on.dp_calls == 3 * 32 and f_off.dp_calls == 2
+    assert f_off.dp_comm_s == pytest.approx(f_on.dp_comm_s * (pb + gb) / (2 * pb + gb))
+    # two stages per rank (interleaved): one unit each
+    inter = ParallelShape(4, 1, 2, 4, 1, 4096, schedule="interleaved_1f1b", virtual_stages=2, fsdp=True)
+    assert planner.step_parts(m, inter, prec, off, chip, DEFAULTS.planner).dp_calls == 4
+
+
 # --- step time ----------------------------------------------------------------------------------
 
 def test_step_time_terms():
@@ -297,31 +368,111 @@ def test_step_time_terms():
     assert pp.compute_s == pytest.approx(16 * flops / 4 / (4 * 320e12) / (1 - 3 / 19))
 
 
+def llama7b_on_910b(dp: int, tp: int, pp: int):
+    c = OmegaConf.structured(Config)
+    c.chip = preset("chip", "ascend910b")
+    c.model = preset("model", "llama2_7b")
+    c.precision = preset("precision", "bf16")
+    c.trainer.global_batch, c.trainer.micro_batch, c.trainer.seq_len = 64, 1, 2048
+    c.parallel.dp, c.parallel.tp, c.parallel.pp, c.parallel.microbatches = dp, tp, pp, 8
+    return c
+
+
+TRUTH = (0.37, 0.55, 80e-6)  # compute efficiency, link efficiency, seconds per collective
+FIT = [(1, 1, 1), (8, 1, 1), (16, 1, 1), (2, 8, 1), (1, 8, 2), (4, 2, 2)]
+# held out: layouts the fit never sees, 4 to 64 devices, two of them on 32 (DP against DP x TP),
+# chosen so neighbouring true step times are >= 1.5x apart: 5% noise cannot swap them
+HELD_OUT = [(8, 4, 2), (8, 4, 1), (32, 1, 1), (2, 2, 2), (1, 1, 4)]
+
+
+def synthetic_trials(layouts, seed: int, sigma: float, prefix: str):
+    """Trials whose "measured" step time is the planner's own model at TRUTH times lognormal
+    noise of ``sigma`` (run-to-run spread): the verdict is the same on any machine, loaded or not."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for i, lay in enumerate(layouts):
+        c = llama7b_on_910b(*lay)
+        t = planner.combine(planner.trial_parts(c), *TRUTH).step_time_s * math.exp(rng.gauss(0.0, sigma))
+        out.append(planner.MeasuredTrial(f"{prefix}{i}", c, t))
+    return out
+
+
 def test_calibration_recovers_known_efficiencies_and_reports_its_error():
-    """Step times generated with compute efficiency 0.37, link efficiency 0.55 and 80 us per
-    collective over layouts that communicate: the fit finds all three back, its own error on
-    them is ~0 and Spearman's rho of the ranking is 1."""
-    cfgs = []
-    for dp, tp, pp in [(1, 1, 1), (8, 1, 1), (16, 1, 1), (2, 8, 1), (1, 8, 2), (4, 2, 2)]:
-        c = OmegaConf.structured(Config)
-        c.chip = preset("chip", "ascend910b")
-        c.model = preset("model", "llama2_7b")
-        c.precision = preset("precision", "bf16")
-        c.trainer.global_batch, c.trainer.micro_batch, c.trainer.seq_len = 64, 1, 2048
-        c.parallel.dp, c.parallel.tp, c.parallel.pp, c.parallel.microbatches = dp, tp, pp, 8
-        cfgs.append(c)
-    truth = [planner.combine(planner.trial_parts(c), 0.37, 0.55, 80e-6).step_time_s for c in cfgs]
-    trials = [planner.MeasuredTrial(f"run{i}", c, t) for i, (c, t) in enumerate(zip(cfgs, truth))]
+    """Noise-free step times over layouts that communicate: the fit finds all three factors
+    back and its error on them is ~0; off by a factor, the error is reported, not hidden."""
+    trials = synthetic_trials(FIT, seed=0, sigma=0.0, prefix="run")
     cal = planner.calibrate(trials, DEFAULTS.planner)
-    assert cal.n_fitted == 3 and cal.n_runs == 6
+    assert cal.n_fitted == 3 and cal.n_runs == 6 and cal.heldout is None
     assert cal.compute_efficiency == pytest.approx(0.37, rel=0.01)
     assert cal.comm_efficiency == pytest.approx(0.55, rel=0.02)
     assert cal.collective_latency_us == pytest.approx(80, rel=0.05)
     assert cal.median_abs_rel_error < 0.005 and cal.spearman_rho == pytest.approx(1.0)
-    # off by a factor: the error is reported, not hidden
     worse = planner.calibrate([planner.MeasuredTrial(t.run_id, t.cfg, t.step_time_s * (1.3 if i % 2 else 1.0))
                                for i, t in enumerate(trials)], DEFAULTS.planner)
     assert worse.median_abs_rel_error > 0.05
+
+
+def test_true_and_held_out_step_times_are_apart():
+    # the premise of the rank-order check below: noise of 5% cannot reorder these
+    truth = sorted(planner.combine(planner.trial_parts(llama7b_on_910b(*lay)), *TRUTH).step_time_s
+                   for lay in HELD_OUT)
+    assert all(b / a >= 1.5 for a, b in zip(truth, truth[1:])), truth
+    assert not set(FIT) & set(HELD_OUT)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_calibration_predicts_held_out_layouts(seed):
+    """Fitted to six noisy layouts (5% run-to-run spread), the model predicts five layouts it
+    never saw within 12% (median; 25% at worst) and ranks them as measured (rho >= 0.9: at
+    most one neighbouring swap). Over seeds 0-11: median 1.0-7.1%, largest 7.2-19.3%, rho 1.0
+    (the largest error is mostly the held-out run's own noise, up to ~2 sigma of 5 draws)."""
+    fit = synthetic_trials(FIT, seed, 0.05, "fit")
+    held = synthetic_trials(HELD_OUT, 1000 + seed, 0.05, "held")
+    cal = planner.calibrate(fit, DEFAULTS.planner, held_out=held)
+    h = cal.heldout
+    assert h.n_runs == 5 and {r["layout"] for r in h.runs} == {f"dp{d}tp{t}pp{p}" for d, t, p in HELD_OUT}
+    assert {r["run_id"] for r in cal.runs} == {t.run_id for t in fit}  # fitted on the fit set only
+    assert h.median_abs_rel_error < 0.12 and h.max_abs_rel_error < 0.25, h.runs
+    assert h.spearman_rho >= 0.9, h.runs
+    # the held-out figures are the model's predictions, compared with what was measured
+    for run, t in zip(h.runs, held):
+        assert run["predicted_s"] == pytest.approx(planner.predict(cal, t.cfg))
+        assert run["rel_error"] == pytest.approx(abs(run["predicted_s"] - t.step_time_s) / t.step_time_s)
+
+
+def test_leave_one_layout_out():
+    """What `python -m orchestrator.plan --calibrate` reports beside the in-sample fit: each
+    layout predicted by a fit to the others. Seeds 0-7 here: median 2.5-4.5%, largest 6-13%,
+    rho 0.97-1.0."""
+    trials = synthetic_trials(FIT + HELD_OUT, 0, 0.05, "t")
+    loo = planner.cross_validate(trials, DEFAULTS.planner)
+    assert loo.n_runs == 11 and loo.median_abs_rel_error < 0.12 and loo.max_abs_rel_error < 0.25
+    assert loo.spearman_rho >= 0.9
+    first = next(r for r in loo.runs if r["layout"] == "dp1tp1pp1")
+    others = [t for t in trials if planner.layout_name(t.cfg) != "dp1tp1pp1"]
+    alone = planner.calibrate(others, DEFAULTS.planner)
+    assert first["predicted_s"] == pytest.approx(planner.predict(alone, trials[0].cfg))
+    assert planner.cross_validate(trials[:1], DEFAULTS.planner).n_runs == 0  # one layout: nothing to leave out
+
+
+def test_held_out_figures_catch_what_the_fit_hides():
+    """The checks above can fail: held-out layouts that run 1.5x slower than the fitted model
+    says (a regime the fit set does not cover) show a large held-out error while the in-sample
+    error stays small; measured in the reverse order, a negative rho."""
+    fit = synthetic_trials(FIT, 0, 0.05, "fit")
+    held = synthetic_trials(HELD_OUT, 1000, 0.05, "held")
+    slower = [planner.MeasuredTrial(t.run_id, t.cfg, 1.5 * t.step_time_s) for t in held]
+    cal = planner.calibrate(fit, DEFAULTS.planner, held_out=slower)
+    assert cal.median_abs_rel_error < 0.05 and cal.heldout.median_abs_rel_error > 0.25
+    times = sorted(t.step_time_s for t in held)
+    by_time = sorted(held, key=lambda t: t.step_time_s)
+    reversed_ = [planner.MeasuredTrial(t.run_id, t.cfg, times[-1 - i]) for i, t in enumerate(by_time)]
+    assert planner.calibrate(fit, DEFAULTS.planner, held_out=reversed_).heldout.spearman_rho <= -0.9
+    fit_ids, held_ids = planner.split_by_layout(fit + held, ["dp8tp4pp2", "dp32tp1pp1"])
+    assert [planner.layout_name(t.cfg) for t in held_ids] == ["dp8tp4pp2", "dp32tp1pp1"]
+    assert len(fit_ids) == len(fit) + len(held) - 2
 
 
 def test_spearman_rho():
@@ -450,33 +601,50 @@ def test_layouts_of_32_devices(compose_cfg):
     assert (1, 8, 4) in got and (32, 1, 1) in got
 
 
-def test_calibration_from_a_measured_trial_in_mlflow(compose_cfg, mlflow_uri):
-    """A real gpt_tiny run, measured here and recorded as trial.run records it, is read back from
-    MLflow, its config rebuilt from the run's params, and the model fitted to it."""
-    from trainers.loop import train
-
-    cfg = compose_cfg(["+chip=cpu", "trainer=smoke", "trainer.steps=6", "trainer.seq_len=32", "data=synthetic",
-                       "data.num_workers=0", f"tracking.uri={mlflow_uri}"])
-    summary = train(trial.build_spec(trial.prepare(cfg)))
-    uri, run_id = tracking.start_run(cfg, [], trial.trial_tags(cfg))
-    tracking.log_metrics(uri, run_id, {"dp": 1, "tp": 1, "pp": 1, "world_size": 1})
-    tracking.log_metrics(uri, run_id, {k: v for k, v in summary.items() if isinstance(v, (int, float))})
-    tracking.end_run(uri, run_id, "finished")
+@pytest.mark.distributed
+def test_calibration_from_measured_trials_in_mlflow_predicts_a_held_out_layout(compose_cfg, mlflow_uri, monkeypatch):
+    """Real gpt_tiny trials launched by trial.run on this machine, one process and dp2, read back
+    from MLflow with their configs rebuilt from the runs' params; the model is fitted to the
+    single run and predicts the dp2 layout it did not see. The prediction is reported, not
+    judged: how far a 2-core machine shared with other work is from the model varies from run
+    to run (the synthetic tests above judge held-out accuracy)."""
+    # one intra-op thread per worker, as torch's elastic launcher gives each of several workers:
+    # a lone worker would otherwise take every core, and on a loaded host its threads contend
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    common = ["+chip=cpu", "trainer=smoke", "trainer.steps=6", "trainer.seq_len=32", "data=synthetic",
+              "data.num_workers=0", f"tracking.uri={mlflow_uri}"]
+    cfg = compose_cfg(common)
+    single = trial.run(cfg, [], progress=False)
+    dp2 = trial.run(compose_cfg([*common, "parallel=dp2"]), ["parallel=dp2"], progress=False)
+    assert single["status"] == dp2["status"] == "finished", (single.get("reason"), dp2.get("reason"))
+    run_id, summary, uri = single["run_id"], single["summary"], tracking.resolve_uri(cfg.tracking)
     emulated = compose_cfg(["+chip=ascend910b", "chip.emulate=true", f"tracking.uri={mlflow_uri}"])
     uri2, other = tracking.start_run(emulated, [], trial.trial_tags(emulated))
     tracking.log_metrics(uri2, other, {"step_time_median_s": 1.0})
     tracking.end_run(uri2, other, "finished")
 
     trials = planner.measured_trials(uri, "default", chip="cpu")
-    assert [t.run_id for t in trials] == [run_id]  # the emulated run measures the host, not the chip
-    rebuilt = trials[0].cfg
+    assert {t.run_id for t in trials} == {run_id, dp2["run_id"]}  # the emulated run measures the host, not the chip
+    fit, held = planner.split_by_layout(trials, ["dp2tp1pp1"])
+    assert [t.run_id for t in fit] == [run_id] and [t.run_id for t in held] == [dp2["run_id"]]
+    rebuilt = fit[0].cfg
     assert rebuilt.model.name == "gpt_tiny" and rebuilt.trainer.seq_len == 32 and rebuilt.chip.name == "cpu"
+    assert planner.layout_name(held[0].cfg) == "dp2tp1pp1" and held[0].cfg.trainer.steps == 6
     assert planner.config_from_params({"model.name": "x", "config_hash": "ab"}).model.name == "x"
-    cal = planner.calibrate(trials, cfg.planner)
+    cal = planner.calibrate(fit, cfg.planner, held_out=held)
     assert cal.n_runs == 1 and cal.n_fitted == 1  # one process: nothing to fit communication to
+    # one factor, one run: the fit reproduces it (a property of the fitter, not of the timing)
     assert cal.median_abs_rel_error < 0.02
     predicted = planner.combine(planner.trial_parts(rebuilt), cal.compute_efficiency, cal.comm_efficiency)
     assert predicted.step_time_s == pytest.approx(summary["step_time_median_s"], rel=0.02)
+    h = cal.heldout
+    assert h.n_runs == 1 and h.spearman_rho is None  # one held-out run: no ranking to judge
+    (run,) = h.runs
+    assert run["run_id"] == dp2["run_id"] and run["measured_s"] == pytest.approx(held[0].step_time_s)
+    assert run["predicted_s"] == pytest.approx(planner.predict(cal, held[0].cfg)) and run["predicted_s"] > 0
+    assert math.isfinite(h.median_abs_rel_error)
+    print(f"\nheld-out dp2: measured {run['measured_s']:.4f} s, predicted {run['predicted_s']:.4f} s, "
+          f"error {100 * run['rel_error']:.0f}%")
 
 
 # --- the CLI --------------------------------------------------------------------------------------

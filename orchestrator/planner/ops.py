@@ -1,0 +1,118 @@
+"""Operator coverage: every aten operator one forward + backward of the model calls, captured on
+the meta device (``trainers.ops.capture_ops``, imported when first needed: composing,
+validating and planning a config import no torch), planned against the chip's operator table:
+native, mapped to a decomposition the trainer applies through a model option, or a custom
+kernel to write. The seed article's two figures: coverage N_supported / N_total and replacement
+rate (N_mapped + N_fused + N_custom) / N_total.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import asdict, dataclass
+from fnmatch import fnmatch
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+
+@functools.lru_cache(maxsize=32)
+def _captured(model_json: str, seq_len: int, compute_dtype: str) -> Tuple[Tuple[str, int], ...]:
+    from trainers.ops import capture_ops
+
+    cap = capture_ops(json.loads(model_json), seq_len=seq_len, compute_dtype=compute_dtype)
+    return tuple(sorted(cap.counts.items()))
+
+
+def captured_ops(model: DictConfig | Dict[str, Any], seq_len: int, compute_dtype: str) -> Dict[str, int]:
+    """aten op -> calls in one forward + backward of the model, run on the meta device."""
+    body = OmegaConf.to_container(model, resolve=True) if isinstance(model, DictConfig) else dict(model)
+    return dict(_captured(json.dumps(body, sort_keys=True), int(seq_len), str(compute_dtype)))
+
+
+@dataclass
+class OpPlan:
+    op: str
+    plan: str  # native | mapped | custom
+    via: str = ""  # the decomposition (model.KEY=VALUE) or why a custom kernel is needed
+    calls: int = 0
+
+
+@dataclass
+class OpCoverage:
+    """The seed article's two figures over the model's distinct operators: coverage
+    N_supported / N_total and replacement rate (N_mapped + N_fused + N_custom) / N_total."""
+    ops: List[OpPlan]
+    model_overrides: Dict[str, Any]
+    unresolved: List[str]  # operators with neither support nor a usable decomposition
+    n_fused: int = 0  # operator fusion (graph compilers) is not planned here
+
+    def count(self, plan: str) -> int:
+        return sum(1 for o in self.ops if o.plan == plan)
+
+    @property
+    def n_total(self) -> int:
+        return len(self.ops)
+
+    @property
+    def coverage(self) -> float:
+        return self.count("native") / self.n_total if self.ops else 1.0
+
+    @property
+    def replacement_rate(self) -> float:
+        return (self.count("mapped") + self.n_fused + self.count("custom")) / self.n_total if self.ops else 0.0
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"n_total": self.n_total, "n_supported": self.count("native"), "n_mapped": self.count("mapped"),
+                "n_fused": self.n_fused, "n_custom": self.count("custom"), "coverage": self.coverage,
+                "replacement_rate": self.replacement_rate, "model_overrides": dict(self.model_overrides),
+                "unresolved": list(self.unresolved), "ops": [asdict(o) for o in self.ops]}
+
+
+def _matches(op: str, patterns: Iterable[str]) -> Optional[str]:
+    """The first pattern naming ``op``: a glob, or a prefix (``chip.decompositions`` keys become
+    MLflow param names, which may not contain ``*``)."""
+    return next((p for p in patterns if fnmatch(op, p) or op.startswith(p)), None)
+
+
+def _model_override(value: str, model: DictConfig | Dict[str, Any]) -> Optional[Tuple[str, str]]:
+    key, sep, val = str(value).partition("=")
+    if not sep or not key.startswith("model.") or key[len("model."):] not in model:
+        return None
+    return key[len("model."):], val
+
+
+def op_coverage(model: DictConfig, seq_len: int, compute_dtype: str, chip: DictConfig) -> OpCoverage:
+    """Plan every operator of the model against the chip's table (``chip.unsupported_ops``,
+    ``chip.decompositions``: glob or prefix -> ``model.KEY=VALUE``): native, mapped to a decomposition
+    the trainer applies through that model option, or a custom kernel to write. The mapped
+    model is captured again, so a decomposition that itself needs a missing operator shows up
+    as unresolved."""
+    unsupported = list(chip.unsupported_ops)
+    decomps = {str(k): str(v) for k, v in chip.decompositions.items()}
+    counts = captured_ops(model, seq_len, compute_dtype)
+    plans: List[OpPlan] = []
+    overrides: Dict[str, Any] = {}
+    for op, calls in sorted(counts.items()):
+        if not _matches(op, unsupported):
+            plans.append(OpPlan(op, "native", calls=calls))
+            continue
+        pattern = _matches(op, decomps)
+        kv = _model_override(decomps[pattern], model) if pattern else None
+        if kv is None:
+            why = (f"chip.decompositions[{pattern!r}]={decomps[pattern]!r} is not a model.KEY=VALUE option"
+                   if pattern else "no decomposition in the chip table")
+            plans.append(OpPlan(op, "custom", why, calls))
+        else:
+            overrides[kv[0]] = yaml.safe_load(kv[1]) if kv[1] else kv[1]
+            plans.append(OpPlan(op, "mapped", f"model.{kv[0]}={kv[1]}", calls))
+    unresolved = [p.op for p in plans if p.plan == "custom"]
+    if overrides:
+        mapped_model = {**OmegaConf.to_container(model, resolve=True), **overrides} \
+            if isinstance(model, DictConfig) else {**model, **overrides}
+        for op in captured_ops(mapped_model, seq_len, compute_dtype):
+            if op not in counts and _matches(op, unsupported):
+                unresolved.append(op)
+                plans.append(OpPlan(op, "custom", "needed by the decomposition and unsupported", 0))
+    return OpCoverage(plans, overrides, sorted(set(unresolved)))

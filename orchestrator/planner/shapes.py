@@ -1,0 +1,230 @@
+"""What the planner plans over: the model's sizes, one layout, and which parameter tensors each
+rank of that layout holds.
+
+The layout rules are the trainer's own (``trainers/rules.py``): the data-parallel wrapping
+(:func:`rules.dp_wrapping`), how a replica's batch is cut (:func:`rules.batch_split`), which
+stages, layers and model ends a pipeline rank holds (:func:`rules.rank_stages`). Nothing here
+restates them.
+
+The parameter tensors are those ``trainers/model.py`` builds (no biases; LayerNorm has a weight
+and a bias, RMSNorm a weight), with the dimension ``trainers/parallel.py apply_tp`` shards:
+q/k/v and the MLP's first projections column-parallel (a ``nn.Linear`` weight is (out, in), so
+dim 0), the output projections row-parallel (dim 1), the token embedding vocabulary-parallel
+(dim 0), the head over the vocabulary (dim 0); norms and learned positions stay whole. A
+DTensor shard and an FSDP2 shard are cut as ``torch.chunk`` cuts (the first pieces one larger
+when the size does not divide; FSDP2 chunks dim 0 of the TP-local tensor), so the element
+count of every rank is exact, not an average.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Dict, List, Optional, Tuple
+
+from omegaconf import DictConfig
+
+from orchestrator.validate import Layout
+from trainers import rules
+
+GiB = 2**30
+MiB = 2**20
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a GPT-style decoder that memory and FLOPs depend on (model config section)."""
+    vocab: int
+    d: int
+    layers: int
+    heads: int
+    kv_heads: int
+    d_ff: int
+    max_seq_len: int
+    swiglu: bool
+    layernorm: bool
+    learned_pos: bool
+    tied: bool
+    fused_attention: bool
+    checkpointing: bool
+
+    @classmethod
+    def of(cls, model: DictConfig | Dict[str, Any]) -> "ModelShape":
+        kv = model["n_kv_heads"] if model.get("n_kv_heads", -1) not in (-1, 0, None) else model["n_heads"]
+        return cls(vocab=int(model["vocab_size"]), d=int(model["d_model"]), layers=int(model["n_layers"]),
+                   heads=int(model["n_heads"]), kv_heads=int(kv), d_ff=int(model["d_ff"]),
+                   max_seq_len=int(model["max_seq_len"]), swiglu=model.get("mlp", "gelu") == "swiglu",
+                   layernorm=model.get("norm", "layernorm") == "layernorm",
+                   learned_pos=model.get("pos_emb", "learned") == "learned",
+                   tied=bool(model.get("tie_embeddings", True)),
+                   fused_attention=model.get("attn_impl", "fused") == "fused",
+                   checkpointing=bool(model.get("activation_checkpointing", False)))
+
+    @property
+    def layer_matrices(self) -> List[Tuple[int, int]]:
+        """Weight matrices of one block (no biases, as trainers/model.py): wq wk wv wo w1 w2 (w3)."""
+        kv_dim = self.kv_heads * (self.d // self.heads)
+        mats = [(self.d, self.d), (self.d, kv_dim), (self.d, kv_dim), (self.d, self.d),
+                (self.d, self.d_ff), (self.d_ff, self.d)]
+        return mats + ([(self.d, self.d_ff)] if self.swiglu else [])
+
+    @property
+    def layer_sharded(self) -> int:  # split by tensor parallelism
+        return sum(a * b for a, b in self.layer_matrices)
+
+    @property
+    def norm_params(self) -> int:
+        return 2 * self.d if self.layernorm else self.d
+
+    @property
+    def layer_replicated(self) -> int:  # two norms per block, replicated across TP ranks
+        return 2 * self.norm_params
+
+    @property
+    def embedding(self) -> int:
+        return self.vocab * self.d
+
+    @property
+    def positions(self) -> int:
+        return self.max_seq_len * self.d if self.learned_pos else 0
+
+    @property
+    def n_params(self) -> int:
+        """All parameters, a tied head counted once (trainers.model.count_params)."""
+        head = 0 if self.tied else self.embedding
+        return (self.embedding + self.positions + self.layers * (self.layer_sharded + self.layer_replicated)
+                + self.norm_params + head)
+
+    def matrices(self) -> List[Tuple[int, int]]:
+        """Every 2-D parameter of the model (for PowerSGD's compressed size)."""
+        mats = self.layer_matrices * self.layers + [(self.vocab, self.d)]
+        mats += [(self.max_seq_len, self.d)] if self.learned_pos else []
+        return mats + ([] if self.tied else [(self.vocab, self.d)])
+
+
+@dataclass(frozen=True)
+class ParallelShape:
+    """One layout and how each replica's batch is cut (parallel and trainer sections).
+
+    With a pipeline the replica's batch is split into ``parallel.microbatches`` microbatches (the
+    trainer does so itself); without one, ``microbatches`` counts gradient-accumulation steps of
+    ``trainer.micro_batch`` sequences (:func:`trainers.rules.batch_split`)."""
+    dp: int
+    tp: int
+    pp: int
+    microbatches: int
+    micro_batch: int
+    seq_len: int
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    sequence_parallel: bool = False
+    fsdp: bool = False
+
+    @classmethod
+    def of(cls, parallel: DictConfig, trainer: DictConfig, lay: Layout) -> "ParallelShape":
+        split = rules.batch_split(int(trainer.global_batch), lay.dp, lay.pp, int(trainer.micro_batch),
+                                  int(parallel.microbatches))
+        return cls(dp=lay.dp, tp=lay.tp, pp=lay.pp, microbatches=split.count, micro_batch=split.size,
+                   seq_len=int(trainer.seq_len), schedule=str(parallel.schedule),
+                   virtual_stages=int(parallel.virtual_stages),
+                   sequence_parallel=bool(parallel.sequence_parallel) and lay.tp > 1,
+                   fsdp=rules.dp_wrapping(lay.dp, lay.tp, str(parallel.dp_shard)) == "fsdp")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def chunks_per_rank(self) -> int:
+        return rules.stages_per_rank(self.pp, self.schedule, self.virtual_stages)
+
+    def coords(self, rank: int) -> Tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of a global rank: the trainer's mesh is (dp, pp, tp), tp
+        innermost (trainers/parallel.py build_mesh)."""
+        return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
+
+
+RankContents = rules.RankStages  # what one pipeline rank holds: stages, layers, the model's ends
+
+
+def rank_contents(m: ModelShape, s: ParallelShape, rank: int) -> rules.RankStages:
+    """Which stages, layers and model ends pipeline rank ``rank`` holds (the trainer's split)."""
+    return rules.rank_stages(m.layers, s.pp, s.schedule, s.virtual_stages, rank)
+
+
+# ---------------------------------------------------------------------------------------------
+# parameter tensors
+
+
+@dataclass(frozen=True)
+class ParamTensor:
+    """One parameter tensor of the trainer's model: its full shape and the dimension tensor
+    parallelism shards (None: every TP rank holds it whole)."""
+    name: str
+    shape: Tuple[int, ...]
+    tp_dim: Optional[int] = None
+
+
+def block_tensors(m: ModelShape) -> List[ParamTensor]:
+    """The parameters of one transformer block, as ``apply_tp`` shards them."""
+    hd = m.d // m.heads
+    out = [ParamTensor("attn.wq.weight", (m.heads * hd, m.d), 0),
+           ParamTensor("attn.wk.weight", (m.kv_heads * hd, m.d), 0),
+           ParamTensor("attn.wv.weight", (m.kv_heads * hd, m.d), 0),
+           ParamTensor("attn.wo.weight", (m.d, m.heads * hd), 1),
+           ParamTensor("mlp.w1.weight", (m.d_ff, m.d), 0), ParamTensor("mlp.w2.weight", (m.d, m.d_ff), 1)]
+    if m.swiglu:
+        out.append(ParamTensor("mlp.w3.weight", (m.d_ff, m.d), 0))
+    return out + norm_tensors(m, "attn_norm") + norm_tensors(m, "mlp_norm")
+
+
+def norm_tensors(m: ModelShape, name: str) -> List[ParamTensor]:
+    return [ParamTensor(f"{name}.weight", (m.d,))] + ([ParamTensor(f"{name}.bias", (m.d,))] if m.layernorm else [])
+
+
+def rank_tensors(m: ModelShape, rc: rules.RankStages) -> List[ParamTensor]:
+    """The parameters a pipeline rank's stage modules hold: its layers, the embeddings on the
+    first stage, the final norm and the head on the last. A tied head is the embedding itself
+    only where one stage module holds both ends (no pipeline); each stage is its own module, so
+    a stage holding the head alone (ZB-V's rank 0 included) holds a copy."""
+    out = [ParamTensor(f"layers.{i}.{t.name}", t.shape, t.tp_dim) for i in rc.layers for t in block_tensors(m)]
+    if rc.embedding:
+        out.append(ParamTensor("tok_emb.weight", (m.vocab, m.d), 0))
+        if m.learned_pos:
+            out.append(ParamTensor("pos_emb.weight", (m.max_seq_len, m.d)))
+    if rc.head:
+        out += norm_tensors(m, "norm")
+        if not (m.tied and rc.embedding and len(rc.stages) == 1):
+            out.append(ParamTensor("head.weight", (m.vocab, m.d), 0))
+    return out
+
+
+def chunk(n: int, k: int, i: int) -> int:
+    """Size of piece ``i`` of ``n`` cut into ``k`` as ``torch.chunk`` does (DTensor's Shard and
+    FSDP2 both cut so): pieces of ceil(n/k), the last ones smaller or empty."""
+    if k <= 1:
+        return n
+    c = -(-n // k)
+    return max(0, min(c, n - i * c))
+
+
+def local_numel(t: ParamTensor, s: ParallelShape, tp_rank: int = 0, dp_rank: int = 0) -> int:
+    """Elements of ``t`` a rank holds: its TP shard, then (FSDP) its piece of dim 0 of that."""
+    shape = list(t.shape)
+    if s.tp > 1 and t.tp_dim is not None:
+        shape[t.tp_dim] = chunk(shape[t.tp_dim], s.tp, tp_rank)
+    if s.fsdp:
+        shape[0] = chunk(shape[0], s.dp, dp_rank)
+    return math.prod(shape)
+
+
+def rank_params(m: ModelShape, s: ParallelShape, rc: rules.RankStages, tp_rank: int = 0) -> int:
+    """Parameters a pipeline rank holds before FSDP sharding: its layers' matrices / tp, the
+    norms, the vocabulary-parallel embedding / tp on the first stage and the head (a copy of a
+    tied embedding when the stages differ) / tp on the last. TP rank 0 holds the most."""
+    return sum(local_numel(t, replace(s, fsdp=False), tp_rank) for t in rank_tensors(m, rc))
+
+
+def block_params(m: ModelShape, s: ParallelShape, tp_rank: int = 0) -> int:
+    """Parameters of one block on one TP rank, before FSDP sharding (what FSDP gathers per unit)."""
+    return sum(local_numel(t, replace(s, fsdp=False), tp_rank) for t in block_tensors(m))
