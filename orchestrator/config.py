@@ -76,7 +76,7 @@ class LaunchConfig:
 
 @dataclass
 class PlannerConfig:
-    """Assumptions of the planner (orchestrator/planner.py); not part of a trial's config hash."""
+    """Assumptions of the planner (orchestrator/planner/), never of a run; not part of a trial's config hash."""
     headroom: float = 0.9  # plan to fill at most this fraction of chip.memory_gb
     # runtime reserve per device, GiB: CANN/CUDA context, HCCL/NCCL workspaces, caching-allocator
     # slack (an estimate, not a measurement) ...
