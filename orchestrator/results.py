@@ -109,6 +109,7 @@ class Point:
     run_ids: List[str] = field(default_factory=list)
     values: List[float] = field(default_factory=list)
     final_losses: List[float] = field(default_factory=list)
+    val_losses: List[float] = field(default_factory=list)  # held-out loss of the repeats that evaluated
     losses: Dict[str, List[float]] = field(default_factory=dict)  # run id -> per-step loss
     diverged: Optional[str] = None
     labels: Dict[str, str] = field(default_factory=dict)  # what distinguishes it in a study: KEY -> value
@@ -122,12 +123,16 @@ class Point:
         return statistics.median(self.final_losses) if self.final_losses else None
 
     @property
+    def val_loss(self) -> Optional[float]:
+        return statistics.median(self.val_losses) if self.val_losses else None
+
+    @property
     def spread(self) -> float:
         return spread(self.values)
 
     def fill(self, uri: str, runs: Iterable[Any], objective: str, with_losses: bool = True) -> "Point":
         """Take these finished runs as the point's repeats."""
-        self.run_ids, self.values, self.final_losses, self.losses = [], [], [], {}
+        self.run_ids, self.values, self.final_losses, self.val_losses, self.losses = [], [], [], [], {}
         self.diverged = None
         for run in runs:
             v = value(run, objective)
@@ -143,6 +148,9 @@ class Point:
                 final = losses[-1]
             if final is not None:
                 self.final_losses.append(float(final))
+            val = run.data.metrics.get("val_loss")
+            if val is not None:
+                self.val_losses.append(float(val))
             why = diverged(losses, final)
             if why and not self.diverged:
                 self.diverged = why
@@ -160,11 +168,17 @@ def artifact_text(uri: str, run_id: str, path: str) -> str:
 
 def quality_gate(point: "Point", baseline: "Point", loss_band: float) -> Optional[str]:
     """Why a point can never be a win, however fast (it did not finish, its loss diverged, or its
-    median final loss is outside ``loss_band`` of the baseline's); None when it passes."""
+    median loss is outside ``loss_band`` of the baseline's); None when it passes. The loss is the
+    held-out ``val_loss`` when both have one (``trainer.eval_every``), else the final training loss."""
     if point.status != tracking.STATUS_OK:
         return f"{point.status}: {point.reason}" if point.reason else point.status
     if point.diverged:
         return f"rejected by the quality gate: diverged ({point.diverged})"
+    if point.val_loss is not None and baseline.val_loss is not None:
+        base, loss = baseline.val_loss, point.val_loss
+        if abs(loss - base) > loss_band * abs(base):
+            return f"rejected by the quality gate: val loss {loss:.4g} outside {base:.4g} +/- {loss_band:.0%}"
+        return None
     base, loss = baseline.final_loss, point.final_loss
     if base is not None and loss is not None and abs(loss - base) > loss_band * abs(base):
         return f"rejected by the quality gate: final loss {loss:.4g} outside {base:.4g} +/- {loss_band:.0%}"

@@ -78,6 +78,41 @@ def _get(cfg: DictConfig, key: str):
     return node
 
 
+FP32_OPS = ("softmax", "layer_norm", "rms_norm")  # trainers/precision.py FP32_OPS (that module imports torch)
+
+
+def _knob_rules(cfg: DictConfig, err) -> None:
+    """What the trainer cannot honour of ``precision.param_dtype``/``compute_dtype``/``fp32_ops``,
+    ``comm.overlap`` and ``trainer.eval_every``."""
+    m, pr, c, t, d = cfg.model, cfg.precision, cfg.comm, cfg.trainer, cfg.data
+    sixteen = ("bf16", "fp16")
+    if pr.param_dtype in sixteen and pr.compute_dtype != pr.param_dtype:
+        # 16-bit parameters compute in their own dtype: fp32 compute would upcast every weight
+        # at every use, and bf16 <-> fp16 would round each weight into the other format
+        err(f"precision.param_dtype={pr.param_dtype} needs precision.compute_dtype={pr.param_dtype} "
+            f"(got {pr.compute_dtype}); or set precision.param_dtype=fp32")
+    unknown = [op for op in pr.fp32_ops if op not in FP32_OPS]
+    if unknown:
+        err(f"precision.fp32_ops: unknown {', '.join(map(str, unknown))} (known: {', '.join(FP32_OPS)})")
+    if m.attn_impl == "fused" and pr.compute_dtype in sixteen and "softmax" not in pr.fp32_ops:
+        err(f"precision.fp32_ops={list(pr.fp32_ops)} leaves out softmax, but model.attn_impl=fused keeps its "
+            f"softmax statistics in fp32 inside the kernel; list softmax or set model.attn_impl=decomposed")
+    if not c.overlap and c.compression != "none":
+        err(f"comm.overlap=false with comm.compression={c.compression}: compression runs as a DDP communication "
+            f"hook during the backward pass; set comm.overlap=true or comm.compression=none")
+    if t.eval_every > 0:
+        if t.eval_batches < 1:
+            err(f"trainer.eval_batches={t.eval_batches}: must be positive when trainer.eval_every>0")
+        if d.name != "synthetic" and not d.val_fraction > 0:
+            err(f"trainer.eval_every={t.eval_every} needs a held-out split: data.val_fraction={d.val_fraction} "
+                f"on data={d.name}")
+        elif d.name == "memmap" and d.path and Path(d.path).expanduser().is_file():
+            held_out = int(Path(d.path).expanduser().stat().st_size // 2 * d.val_fraction)
+            if held_out < t.seq_len + 1:
+                err(f"data.val_fraction={d.val_fraction} of data.path={d.path} holds {held_out} tokens, fewer than "
+                    f"trainer.seq_len+1={t.seq_len + 1}: trainer.eval_every has nothing to evaluate")
+
+
 def validate(cfg: DictConfig) -> List[str]:
     """Every broken cross-field rule of ``cfg`` (with ``cfg.chip`` resolved), one line each."""
     errors: List[str] = []
@@ -168,6 +203,9 @@ def validate(cfg: DictConfig) -> List[str]:
             f"parallel.tp=1 and parallel.dp_shard=ddp")
     if p.sequence_parallel and lay.tp == 1:
         err("parallel.sequence_parallel=true needs parallel.tp>1")
+
+    # precision, overlap and evaluation keys: each acts, or is refused here (tests/test_knobs.py)
+    _knob_rules(cfg, err)
 
     # the chip
     for key in ("precision.param_dtype", "precision.compute_dtype"):

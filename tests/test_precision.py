@@ -1,9 +1,11 @@
-"""Dynamic loss scaling: overflow skips the step and backs off, clean steps grow the scale."""
+"""Loss scaling: overflow skips the step and (dynamic) backs off, clean steps grow the scale, a
+static scale never moves; the optimizer gets 1/scale times the clipping coefficient."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from trainers.precision import DynamicLossScaler, PrecisionConfig
+from trainers.precision import LossScaler, PrecisionConfig, grad_multiplier
 
 
 def _param(value):
@@ -13,36 +15,48 @@ def _param(value):
 
 
 def test_overflow_skips_and_backs_off():
-    s = DynamicLossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=1024.0, growth_interval=2), torch.device("cpu"))
-    p = _param(float("inf"))
-    finite = s.unscale_and_check([p])
+    s = LossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=1024.0, growth_interval=2), torch.device("cpu"))
+    finite = s.all_finite([_param(float("inf"))])
     s.update(finite)
     assert not finite and s.scale == 512.0 and s.skipped_steps == 1
 
 
-def test_unscale_and_growth():
-    s = DynamicLossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=8.0, growth_interval=2), torch.device("cpu"))
+def test_growth_and_the_multiplier():
+    s = LossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=8.0, growth_interval=2), torch.device("cpu"))
     p = _param(16.0)
-    assert s.unscale_and_check([p]) and p.grad.tolist() == [2.0, 2.0, 2.0]
+    assert s.all_finite([p]) and p.grad.tolist() == [16.0] * 3  # left scaled for the optimizer
+    assert grad_multiplier(s, grad_norm=0.5, max_norm=1.0) == 1 / 8
+    assert grad_multiplier(s, grad_norm=4.0, max_norm=1.0) == pytest.approx(1 / 4 / 8)
     s.update(True)
     assert s.scale == 8.0
     s.update(True)
     assert s.scale == 16.0
 
 
+def test_static_scale_skips_but_never_moves():
+    s = LossScaler(PrecisionConfig(loss_scale="static", init_scale=1024.0, growth_interval=1), torch.device("cpu"))
+    assert s.scale_loss(torch.tensor(1.0)) == 1024.0
+    s.update(False)
+    s.update(False)
+    assert s.scale == 1024.0 and s.skipped_steps == 2 and s.skipped_in_row == 2
+    s.update(True)
+    assert s.scale == 1024.0 and s.skipped_in_row == 0
+
+
 def test_hysteresis_delays_the_backoff():
-    s = DynamicLossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=64.0, hysteresis=2), torch.device("cpu"))
+    s = LossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=64.0, hysteresis=2), torch.device("cpu"))
     s.update(False)
     assert s.scale == 64.0 and s.skipped_steps == 1
     s.update(False)
     assert s.scale == 32.0 and s.skipped_steps == 2
     state = s.state_dict()
-    t = DynamicLossScaler(PrecisionConfig(loss_scale="dynamic"), torch.device("cpu"))
+    t = LossScaler(PrecisionConfig(loss_scale="dynamic"), torch.device("cpu"))
     t.load_state_dict(state)
     assert t.state_dict() == state
 
 
 def test_disabled_scaler_is_identity():
-    s = DynamicLossScaler(PrecisionConfig(), torch.device("cpu"))
+    s = LossScaler(PrecisionConfig(), torch.device("cpu"))
     loss = torch.tensor(3.0)
-    assert s.scale_loss(loss) is loss and s.unscale_and_check([_param(float("nan"))])
+    assert s.scale_loss(loss) is loss and s.all_finite([_param(float("nan"))])
+    assert grad_multiplier(s, grad_norm=0.5, max_norm=1.0) == 1.0

@@ -1,6 +1,9 @@
-"""Gradient compression as DDP communication hooks: fp16 / bf16 casts, PowerSGD, and top-k
-sparsification with error feedback. Each hook counts the bytes it puts on the wire, so the
-compressed volume can be logged beside the dense one.
+"""Gradient communication of DDP: overlapped with the backward pass as communication hooks
+(plain all-reduce, or compressed: fp16 / bf16 casts, PowerSGD, top-k sparsification with error
+feedback), or, with ``comm.overlap=false``, all-reduced in buckets after the whole backward
+(:func:`allreduce_after_backward`). Each compression hook counts the bytes it puts on the wire,
+so the compressed volume can be logged beside the dense one; every gradient collective is
+counted as issued during or after the backward pass (:class:`GradSyncStats`).
 
 Top-k keeps the ``ratio`` largest-magnitude entries of (gradient + residual) per bucket and
 carries the rest to the next step (error feedback, Stich et al. 2018; Lin et al. 2018, "Deep
@@ -9,7 +12,7 @@ grows for many steps before it is sent and the loss lags dense training; above ~
 all-gather of values and indices moves more bytes than the dense all-reduce it replaces.
 """
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +27,23 @@ class CommStats:
         out = {"comm_dense_mb": self.dense_bytes / 2**20, "comm_sent_mb": self.sent_bytes / 2**20}
         self.dense_bytes = self.sent_bytes = 0
         return out
+
+
+@dataclass
+class GradSyncStats:
+    """Gradient collectives this rank issued while the autograd engine ran a backward pass
+    (DDP's bucket hooks) and after it returned (``comm.overlap=false``)."""
+
+    in_backward: int = 0
+    after_backward: int = 0
+
+    def note(self) -> None:
+        # -1 outside a backward pass; DDP calls its hooks (the last buckets too, from a callback
+        # queued on the graph task) before loss.backward() returns
+        if torch._C._current_graph_task_id() >= 0:
+            self.in_backward += 1
+        else:
+            self.after_backward += 1
 
 
 @dataclass
@@ -94,24 +114,74 @@ def _topk_hook(state: _State, bucket: dist.GradBucket) -> torch.futures.Future[t
     return _done(buf)
 
 
-def register(ddp, compression: str, group, *, topk_ratio: float = 0.1, powersgd_rank: int = 4) -> Optional["CommStats"]:
-    """Install the hook for ``compression`` on a DDP module; returns the byte counters."""
-    if compression == "none":
-        return None
+def _counted(hook, sync: GradSyncStats):
+    def counted(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        sync.note()
+        return hook(state, bucket)
+    return counted
+
+
+def register(ddp, compression: str, group, sync: GradSyncStats, *, topk_ratio: float = 0.1,
+             powersgd_rank: int = 4) -> Optional[CommStats]:
+    """Install the communication hook for ``compression`` on a DDP module (``none``: DDP's plain
+    all-reduce, averaged over the group); returns the byte counters of a compressed one."""
     world = dist.get_world_size(group)
     stats = CommStats()
+    if compression == "none":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(group, _counted(allreduce_hook, sync))
+        return None
     if compression in ("fp16", "bf16"):
         dtype = torch.float16 if compression == "fp16" else torch.bfloat16
-        ddp.register_comm_hook(_State(group, world, stats, dtype=dtype), _cast_hook)
+        ddp.register_comm_hook(_State(group, world, stats, dtype=dtype), _counted(_cast_hook, sync))
     elif compression == "topk":
-        ddp.register_comm_hook(_State(group, world, stats, ratio=topk_ratio), _topk_hook)
+        ddp.register_comm_hook(_State(group, world, stats, ratio=topk_ratio), _counted(_topk_hook, sync))
     elif compression == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
         state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
                                    start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        ddp.register_comm_hook(state, _counted(psgd.powerSGD_hook, sync))
         return None  # PowerSGD's own volume depends on its per-tensor rank decisions: not counted
     else:
         raise ValueError(f"unknown gradient compression {compression!r}")
     return stats
+
+
+def buckets(params: Iterable[torch.nn.Parameter], bucket_mb: float) -> List[List[torch.nn.Parameter]]:
+    """Parameters with gradients in DDP's order (reverse of registration, roughly the order the
+    backward produces them), cut into buckets of at most ``bucket_mb`` MiB of one dtype each; a
+    tensor larger than that is a bucket of its own."""
+    cap = bucket_mb * 2**20
+    out: List[List[torch.nn.Parameter]] = []
+    size = 0.0
+    for p in reversed([p for p in params if p.grad is not None]):
+        nbytes = p.grad.numel() * p.grad.element_size()
+        if not out or size + nbytes > cap or out[-1][0].grad.dtype != p.grad.dtype:
+            out.append([])
+            size = 0.0
+        out[-1].append(p)
+        size += nbytes
+    return out
+
+
+@torch.no_grad()
+def allreduce_after_backward(params: Iterable[torch.nn.Parameter], group, bucket_mb: float,
+                             sync: GradSyncStats) -> None:
+    """``comm.overlap=false``: average the gradients over ``group`` once the whole backward has
+    run, one flat all-reduce per bucket of ``comm.bucket_mb`` (all issued, then waited on)."""
+    world = dist.get_world_size(group)
+    pending = []
+    for bucket in buckets(params, bucket_mb):
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        sync.note()
+        pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+    for bucket, flat, work in pending:
+        work.wait()
+        flat.div_(world)
+        offset = 0
+        for p in bucket:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+            offset += n

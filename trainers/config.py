@@ -8,7 +8,7 @@ project re-declares a key or its default.
 
 Keys that only the planner reads live in ``orchestrator/config.py`` (``planner.*``); a key here
 either changes what the trainer runs, or the validator (``orchestrator/validate.py``) refuses the
-values it cannot honour. ``tests/test_knobs.py`` walks every leaf key and holds the code to that.
+values it cannot honour. ``tests/test_schema.py`` walks every leaf key and holds the code to that.
 """
 from __future__ import annotations
 

@@ -158,3 +158,17 @@ def build_loader(
         prefetch_factor=args.prefetch_factor if workers else None, pin_memory=pin_memory,
         persistent_workers=False,
     )
+
+
+def build_val_loader(
+    args: DataConfig, *, seq_len: int, vocab_size: int, seed: int, global_batch: int, micro_batch: int,
+    dp_rank: int, dp_size: int, batches: int,
+) -> DataLoader:
+    """The held-out split (the tail ``data.val_fraction`` of the corpus; other seeds for synthetic
+    tokens): the same ``batches`` global batches at every evaluation, each data-parallel rank
+    taking its slice as in training. Read in the calling process (an evaluation is a few
+    batches), with its own generator, so evaluating draws nothing from the training RNG."""
+    ds = build_dataset(args, seq_len, vocab_size, seed, split="val")
+    sampler = StepSampler(len(ds), global_batch, dp_rank, dp_size, seed, batches)
+    return DataLoader(ds, batch_size=micro_batch, sampler=sampler, drop_last=False, num_workers=0,
+                      generator=torch.Generator().manual_seed(seed))

@@ -18,21 +18,43 @@ from torch.utils.checkpoint import checkpoint
 from trainers.config import ModelConfig
 
 
+def in_dtype(dtype: Optional[torch.dtype], fn, x: torch.Tensor, *params: Optional[torch.Tensor]) -> torch.Tensor:
+    """``fn(x, *params)`` computed in ``dtype`` outside autocast, the result in ``x``'s dtype;
+    ``dtype`` None: as given (autocast decides). The precision policy (``trainers/precision.py``)
+    sets the dtype of each norm and softmax."""
+    if dtype is None:
+        return fn(x, *params)
+    with torch.autocast(x.device.type, enabled=False):
+        return fn(x.to(dtype), *(p.to(dtype) if p is not None else None for p in params)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
+    compute_dtype: Optional[torch.dtype] = None  # precision.fp32_ops decides; None: the input's
+
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in fp32 whatever the compute dtype: the mean of squares overflows fp16
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return in_dtype(self.compute_dtype, self._norm, x, self.weight)
+
+
+class LayerNorm(nn.LayerNorm):
+    compute_dtype: Optional[torch.dtype] = None  # precision.fp32_ops decides; None: autocast's
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return in_dtype(self.compute_dtype, self._norm, x, self.weight, self.bias)
 
 
 def make_norm(args: ModelConfig) -> nn.Module:
-    return RMSNorm(args.d_model) if args.norm == "rmsnorm" else nn.LayerNorm(args.d_model)
+    return RMSNorm(args.d_model) if args.norm == "rmsnorm" else LayerNorm(args.d_model)
 
 
 def rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +72,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    softmax_dtype: Optional[torch.dtype] = None  # decomposed path; precision.fp32_ops decides
+
     def __init__(self, args: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = args.n_heads, args.kv_heads, args.head_dim
@@ -59,6 +83,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.hd, args.d_model, bias=False)
         self.rope = args.pos_emb == "rope"
         self.impl = args.attn_impl
+        self.dropout = args.dropout
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -71,15 +96,20 @@ class Attention(nn.Module):
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        # dropout draws from the default generator: every rank of a TP group has the same seed and
+        # draws masks of the same local shapes in the same order, so the masks of replicated
+        # activations (the residual branches) agree across the group
+        p = self.dropout if self.training else 0.0
         if self.impl == "fused":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:
             # matmul + softmax + matmul: the decomposition for chips without a fused kernel
             att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
             mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             att = att.masked_fill(~mask, float("-inf"))
-            y = F.softmax(att.float(), dim=-1).to(q.dtype) @ v
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+            probs = in_dtype(self.softmax_dtype, lambda a: F.softmax(a, dim=-1), att).to(q.dtype)
+            y = F.dropout(probs, p) @ v
+        return F.dropout(self.wo(y.transpose(1, 2).reshape(b, t, -1)), p)
 
 
 class MLP(nn.Module):
@@ -89,11 +119,11 @@ class MLP(nn.Module):
         self.w1 = nn.Linear(args.d_model, args.d_ff, bias=False)
         self.w2 = nn.Linear(args.d_ff, args.d_model, bias=False)
         self.w3 = nn.Linear(args.d_model, args.d_ff, bias=False) if self.swiglu else None
+        self.dropout = args.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.swiglu:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        h = F.silu(self.w1(x)) * self.w3(x) if self.swiglu else F.gelu(self.w1(x), approximate="tanh")
+        return F.dropout(self.w2(h), self.dropout if self.training else 0.0)
 
 
 class Block(nn.Module):
@@ -121,13 +151,18 @@ class GPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm: Optional[nn.Module] = make_norm(args)
         self.head: Optional[nn.Linear] = nn.Linear(args.d_model, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.head.weight = self.tok_emb.weight
+        self.tie_weights()
         if args.pos_emb == "rope":
             self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
             self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim // 2), persistent=False)
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights(seed)
+
+    def tie_weights(self) -> None:
+        """The head uses the embedding's parameter (``tie_embeddings``). Again after anything
+        that gives each module its own new parameter: ``to_empty`` from meta, ``apply_tp``."""
+        if self.args.tie_embeddings and self.tok_emb is not None and self.head is not None:
+            self.head.weight = self.tok_emb.weight
 
     def init_buffers(self) -> None:
         if self.args.pos_emb == "rope":

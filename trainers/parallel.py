@@ -87,6 +87,10 @@ def apply_tp(model: GPT, tp_mesh, sequence_parallel: bool) -> None:
             top["norm"] = SequenceParallel()
     if top:
         parallelize_module(model, tp_mesh, top)
+    # parallelize_module gave each module its own DTensor parameter, silently untying a tied
+    # head. Both are Shard(0) over the vocabulary on the tp mesh, so one parameter serves both:
+    # one initial value, one gradient (the sum of both uses), one optimizer state.
+    model.tie_weights()
     for block in model.layers.values():
         plan: Dict[str, Any] = {
             "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
@@ -111,6 +115,33 @@ def apply_tp(model: GPT, tp_mesh, sequence_parallel: bool) -> None:
                                                               use_local_output=True))
 
 
+def keep_grads_sharded(model: nn.Module) -> None:
+    """Keep each tensor-parallel parameter's gradient in the parameter's own placement.
+
+    DTensor's embedding backward hands the vocabulary-parallel embedding a replicated gradient
+    (all of vocab x d on every TP rank, though the parameter is Shard(0)); the rank would hold
+    tp times its share until the next zero_grad, and the optimizer would step a shard with a
+    full gradient. Replicate -> Shard is a local slice (no communication). FSDP2 does the same
+    for its parameters (torch/distributed/fsdp/_fully_shard/_fsdp_param.py,
+    ``_get_grad_inner_tensor``); this does it where there is no FSDP. The gradient hooks are
+    attached at the forward pass, to the parameters as they are then: a later ``to_empty`` or
+    dtype cast swaps a DTensor parameter's tensor and drops hooks attached before it."""
+    from torch.distributed.tensor import DTensor
+
+    def reshard(param: torch.Tensor) -> None:
+        g = param.grad
+        if isinstance(g, DTensor) and tuple(g.placements) != tuple(param.placements):
+            param.grad = g.redistribute(param.device_mesh, param.placements)
+
+    def attach(module: nn.Module, args) -> None:
+        for param in module.parameters():
+            if isinstance(param, DTensor) and not getattr(param, "_grad_kept_sharded", False):
+                param.register_post_accumulate_grad_hook(reshard)
+                param._grad_kept_sharded = True
+
+    model.register_forward_pre_hook(attach)
+
+
 def apply_fsdp(model: GPT, dp_mesh, reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2: each block is its own unit (its all-gather overlaps the previous block's compute),
     then the stage root gathers what is left (embeddings, final norm, head)."""
@@ -133,7 +164,10 @@ def build_stages(margs: ModelConfig, p: ParallelConfig, mesh: Mesh, device: torc
         if p.tp > 1:
             apply_tp(module, mesh.sub("tp"), p.sequence_parallel)
         module.to_empty(device=device)
+        module.tie_weights()  # to_empty gives each module a new plain parameter: tie them again
         module.init_weights(seed)
+        if p.tp > 1 and rules.dp_wrapping(p.dp, p.tp, p.dp_shard) != "fsdp":
+            keep_grads_sharded(module)  # FSDP reshards the gradients itself
         out.append((sid, module))
     return out
 
@@ -188,19 +222,6 @@ def global_grad_norm(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> 
     if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.sqrt()
-
-
-@torch.no_grad()
-def clip_grads_(params: List[torch.nn.Parameter], max_norm: float, mesh: Optional[Mesh]) -> float:
-    """Clip by the true global norm (stock clip_grad_norm_ fails with DTensor and, under
-    pipelining, would clip each stage by its own norm). Returns the norm before clipping."""
-    norm = float(global_grad_norm(params, mesh))
-    if max_norm > 0 and norm == norm and norm > max_norm:
-        coef = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                local(p.grad).mul_(coef)
-    return norm
 
 
 @torch.no_grad()

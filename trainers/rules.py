@@ -2,7 +2,7 @@
 
 Which data-parallel wrapping a layout gets, how a replica's batch is cut into micro-batches, how
 the model is split into pipeline stages and which stages a rank holds, and the pipeline bubble:
-``trainers/parallel.py`` and ``trainers/loop.py`` build exactly this, ``orchestrator/planner``
+``trainers/parallel.py`` and ``trainers/assembly.py`` build exactly this, ``orchestrator/planner``
 and ``orchestrator/validate.py`` reason about exactly this. A change here changes both.
 """
 from __future__ import annotations

@@ -1,0 +1,136 @@
+"""The optimizer: AdamW over the parameters as stored, or over fp32 master copies of 16-bit ones.
+
+``precision.param_dtype`` fp32: ``torch.optim.AdamW`` (two fp32 moments per parameter).
+16-bit parameters without ``precision.master_weights_fp32``: the same AdamW steps the 16-bit
+parameters directly, its moments in the parameter dtype. With master weights:
+:class:`MasterAdamW`, whose state per 16-bit parameter holds ``master`` (an fp32 copy with the
+parameter's DTensor placement, so a shard's master is a shard) and the two fp32 moments; each
+step it updates the master from an fp32 copy of the gradient (made, used and dropped parameter
+by parameter) and writes it back into the 16-bit parameter, as Megatron's
+Float16OptimizerWithFloat16Params keeps fp32 copies. The state is keyed by the module's own
+parameters, so ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict`` and DCP
+save and reshard it like any optimizer's.
+
+Per parameter, in bytes: 4 + 4 grads + 8 fp32; 2 + 2 + 12 (16-bit with master); 2 + 2 + 4
+(16-bit without), what ``orchestrator/planner`` plans and ``trainers/memory.py`` measures.
+"""
+from __future__ import annotations
+
+import math
+from typing import List
+
+import torch
+
+from trainers.config import PrecisionConfig, TrainerConfig
+from trainers.parallel import local
+
+MASTER_STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+def lr_at(step: int, a: TrainerConfig) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
+    if step < a.lr_warmup_steps:
+        return a.lr * (step + 1) / a.lr_warmup_steps
+    span = max(1, a.steps - a.lr_warmup_steps)
+    progress = min(1.0, (step - a.lr_warmup_steps) / span)
+    return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, torch's update rule) on fp32 master copies of 16-bit
+    parameters. ``step(grad_scale=s)`` multiplies the gradients by ``s`` in fp32 first: the
+    loss scaler's ``1 / scale`` and the clipping coefficient, so an fp16 gradient is unscaled
+    after its cast to fp32, not in fp16."""
+
+    def __init__(self, params, lr: float, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    def _init_state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["master"] = p.detach().float()  # a DTensor stays a DTensor, same placements
+            state["exp_avg"] = torch.zeros_like(state["master"])
+            state["exp_avg_sq"] = torch.zeros_like(state["master"])
+        return state
+
+    @torch.no_grad()
+    def step(self, closure=None, grad_scale: float = 1.0):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._init_state(p)
+                grad = p.grad
+                if _placements(grad) != _placements(p):  # e.g. a Partial gradient of a Replicate parameter
+                    grad = grad.redistribute(p.device_mesh, p.placements)
+                # local shards from here: master, moments, parameter and gradient share placements
+                g = local(grad).float()  # the transient fp32 gradient, dropped with this iteration
+                if grad_scale != 1.0:
+                    g.mul_(grad_scale)
+                master, m, v = (local(state[k]) for k in MASTER_STATE)
+                state["step"] += 1
+                t = float(state["step"])
+                master.mul_(1 - lr * wd)
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
+                master.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+                local(p).copy_(master)
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        # Optimizer.load_state_dict casts every floating-point state tensor to its parameter's
+        # dtype (16-bit here); the master copy and the moments must stay fp32
+        saved = state_dict["state"]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(ids, params):
+            for k in MASTER_STATE:
+                if k in saved.get(i, {}):
+                    self.state[p][k] = saved[i][k].to(device=p.device, dtype=torch.float32)
+
+
+def _placements(t: torch.Tensor):
+    return getattr(t, "placements", None)
+
+
+def build_optimizer(params: List[torch.nn.Parameter], a: TrainerConfig, precision: PrecisionConfig) -> torch.optim.Optimizer:
+    """AdamW over ``params``; on fp32 master copies when they are 16-bit and
+    ``precision.master_weights_fp32`` is set. No weight decay on norms and biases (everything
+    one-dimensional); DTensor and plain parameters in separate groups, as the foreach kernels
+    cannot mix them."""
+    from torch.distributed.tensor import DTensor
+
+    groups = []
+    for is_dt in (False, True):
+        for decay in (True, False):
+            ps = [p for p in params if isinstance(p, DTensor) == is_dt and (p.dim() >= 2) == decay]
+            if ps:
+                groups.append({"params": ps, "weight_decay": a.weight_decay if decay else 0.0})
+    sixteen = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
+    if sixteen and precision.master_weights_fp32:
+        return MasterAdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, foreach=True)
+
+
+@torch.no_grad()
+def step(optim: torch.optim.Optimizer, grad_scale: float) -> None:
+    """One optimizer step with the gradients multiplied by ``grad_scale`` (1 / loss scale times
+    the clipping coefficient): inside the step, in fp32, for master weights; in place otherwise."""
+    if isinstance(optim, MasterAdamW):
+        optim.step(grad_scale=grad_scale)
+        return
+    if grad_scale != 1.0:
+        for group in optim.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    local(p.grad).mul_(grad_scale)
+    optim.step()
