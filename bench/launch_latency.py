@@ -20,6 +20,7 @@ the timestamp of the first per-step metric in MLflow (``trainer.log_every=1``: s
 step 0). Each figure is the median over ``--repeats`` runs; ray-join runs last, while its cluster
 is up, so that an idle cluster does not share the machine with the other variants.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -122,8 +123,19 @@ def measure(kind: str, work: Path, head: str = "") -> float:
     py = sys.executable
     env = _env()
     if kind == "torchrun":
-        cmd = [str(Path(py).with_name("torchrun")), "--nproc_per_node", "2", "--master_port", str(_free_port()),
-               "-m", "bench.launch_latency", "--child", "torchrun", "--stamp", str(stamp)]
+        cmd = [
+            str(Path(py).with_name("torchrun")),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "bench.launch_latency",
+            "--child",
+            "torchrun",
+            "--stamp",
+            str(stamp),
+        ]
     elif kind in ("local", "ray", "ray-join"):
         cmd = [py, "-m", "bench.launch_latency", "--child", kind, "--stamp", str(stamp)]
         if kind == "ray-join":
@@ -133,8 +145,9 @@ def measure(kind: str, work: Path, head: str = "") -> float:
         cmd = [py, "-m", "orchestrator", *ray, *TRIAL, "trainer.log_every=1", f"tracking.uri=sqlite:///{db}"]
     t0 = time.time()
     # the cli variants' Hydra output folders go to the scratch folder, not into the checkout
-    proc = subprocess.run(cmd, cwd=work if kind.startswith("cli") else ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        cmd, cwd=work if kind.startswith("cli") else ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"{kind} failed:\n{proc.stderr[-3000:]}")
     first = _first_metric_time(db) if kind.startswith("cli") else float(stamp.read_text())
@@ -147,11 +160,26 @@ def _start_head(log: Path):
     env.pop("PYTHONPATH")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", "--num-cpus=2",
-             "--node-ip-address=127.0.0.1", f"--port={port}", "--include-dashboard=true",
-             "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}",
-             f"--dashboard-agent-listen-port={_free_port()}", f"--ray-client-server-port={_free_port()}",
-             "--disable-usage-stats"], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            [
+                str(Path(sys.executable).with_name("ray")),
+                "start",
+                "--head",
+                "--block",
+                "--num-cpus=2",
+                "--node-ip-address=127.0.0.1",
+                f"--port={port}",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={_free_port()}",
+                f"--dashboard-agent-listen-port={_free_port()}",
+                f"--ray-client-server-port={_free_port()}",
+                "--disable-usage-stats",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
     deadline = time.time() + 180
     while "Ray runtime started" not in log.read_text():
         if proc.poll() is not None or time.time() > deadline:

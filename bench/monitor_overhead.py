@@ -7,6 +7,7 @@ no tracking); each figure is the median over repeats of the run's median step ti
 warm-up steps. The ratio is against monitoring off. The non-finite tracker (one isfinite
 reduction per block, always on) is part of every variant.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,13 @@ def main() -> None:
     ap.add_argument("--every", type=int, nargs="+", default=[1, 10])
     args = ap.parse_args()
     register_configs()
-    base = ["+chip=cpu", f"trainer.steps={args.steps}", "trainer.warmup_steps=5", "tracking.enabled=false",
-            "data.num_workers=0"]
+    base = [
+        "+chip=cpu",
+        f"trainer.steps={args.steps}",
+        "trainer.warmup_steps=5",
+        "tracking.enabled=false",
+        "data.num_workers=0",
+    ]
     specs = {}
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         for k in [0, *args.every]:

@@ -17,6 +17,7 @@ objective as measured inside the search. Then the two winners are measured again
 (``--remeasure`` interleaved runs each, medians), so the comparison of what they found does not
 hinge on one lucky sample.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,8 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-VARIABLES = [("trainer.micro_batch", "1,2,4,8,16"), ("precision", "fp32,bf16"), ("parallel.dp", "1,2"),
-             ("parallel.tp", "1,2,3")]
+VARIABLES = [
+    ("trainer.micro_batch", "1,2,4,8,16"),
+    ("precision", "fp32,bf16"),
+    ("parallel.dp", "1,2"),
+    ("parallel.tp", "1,2,3"),
+]
 OBJECTIVE = "step_time_median_s"
 
 
@@ -42,8 +47,9 @@ def cli(args, cwd, log):
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("MLFLOW_TRACKING_URI", None)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env, capture_output=True, text=True
+    )
     wall = time.perf_counter() - t0
     Path(log).write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -76,9 +82,19 @@ def main():
     sweep_args = [f"{k}={v}" for k, v in VARIABLES]
 
     grid_wall = cli(["-m", *base, "tracking.experiment=grid", *sweep_args], work, work / "grid.log")
-    ovat_wall = cli(["-m", "hydra/sweeper=ovat", *base, "tracking.experiment=ovat",
-                     f"hydra.sweeper.repeats={args.repeats}", "hydra.sweeper.resume=false", *sweep_args],
-                    work, work / "ovat.log")
+    ovat_wall = cli(
+        [
+            "-m",
+            "hydra/sweeper=ovat",
+            *base,
+            "tracking.experiment=ovat",
+            f"hydra.sweeper.repeats={args.repeats}",
+            "hydra.sweeper.resume=false",
+            *sweep_args,
+        ],
+        work,
+        work / "ovat.log",
+    )
 
     ranked = best.rank(uri, "grid", OBJECTIVE)
     grid_best = best.describe(uri, OBJECTIVE, "minimize", ranked["candidates"][0], "grid")
@@ -103,20 +119,40 @@ def main():
     for name, experiment, wall in (("grid", "grid", grid_wall), ("ovat", "ovat", ovat_wall)):
         launched, pruned, secs = trial_seconds(uri, experiment)
         found = grid_best if name == "grid" else {"value": final["objective"], "overrides": winners["ovat"]}
-        rows.append((name, launched, pruned, secs, wall, found["value"], statistics.median(measured[name]),
-                     label(found["overrides"])))
-    print(f"gpt_tiny on the CPU, {args.steps} steps a trial; variables: "
-          + "; ".join(f"{k}={v}" for k, v in VARIABLES) + f"; OVAT repeats {args.repeats}")
-    print(f"{'search':6}  {'trials':>6}  {'pruned':>6}  {'trial-s':>8}  {'wall-s':>7}  {'best in search':>14}  "
-          f"{'remeasured':>10}  best config")
+        rows.append(
+            (
+                name,
+                launched,
+                pruned,
+                secs,
+                wall,
+                found["value"],
+                statistics.median(measured[name]),
+                label(found["overrides"]),
+            )
+        )
+    print(
+        f"gpt_tiny on the CPU, {args.steps} steps a trial; variables: "
+        + "; ".join(f"{k}={v}" for k, v in VARIABLES)
+        + f"; OVAT repeats {args.repeats}"
+    )
+    print(
+        f"{'search':6}  {'trials':>6}  {'pruned':>6}  {'trial-s':>8}  {'wall-s':>7}  {'best in search':>14}  "
+        f"{'remeasured':>10}  best config"
+    )
     for name, launched, pruned, secs, wall, found, again, cfg in rows:
-        print(f"{name:6}  {launched:>6}  {pruned:>6}  {secs:>8.1f}  {wall:>7.1f}  {found:>14.5f}  "
-              f"{again:>10.5f}  {cfg}")
+        print(
+            f"{name:6}  {launched:>6}  {pruned:>6}  {secs:>8.1f}  {wall:>7.1f}  {found:>14.5f}  {again:>10.5f}  {cfg}"
+        )
     g, o = rows
-    print(f"OVAT spent {o[3] / g[3]:.2f}x the grid's trial-seconds; its winner's remeasured step time is "
-          f"{o[6] / g[6]:.3f}x the grid winner's (median of {args.remeasure} interleaved runs each)")
-    print("OVAT decisions: " + "; ".join(f"{r['variable']}={r['value']}: {r['decision'].split(' (')[0]}"
-                                           for r in report["rows"][1:]))
+    print(
+        f"OVAT spent {o[3] / g[3]:.2f}x the grid's trial-seconds; its winner's remeasured step time is "
+        f"{o[6] / g[6]:.3f}x the grid winner's (median of {args.remeasure} interleaved runs each)"
+    )
+    print(
+        "OVAT decisions: "
+        + "; ".join(f"{r['variable']}={r['value']}: {r['decision'].split(' (')[0]}" for r in report["rows"][1:])
+    )
     print(f"work folder: {work}")
 
 

@@ -8,6 +8,7 @@ rounds of the trial's median step time after its warm-up steps. On a CPU host th
 the cores, so these ratios measure the cost of the parallel machinery (collectives, pipeline
 bubble, process count), not a speed-up: on real devices each rank has its own chip.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,15 @@ def main() -> None:
     args = ap.parse_args()
 
     register_configs()
-    base = ["+chip=cpu", f"model={args.model}", f"trainer.steps={args.steps}", f"trainer.warmup_steps={args.warmup}",
-            f"trainer.global_batch={args.global_batch}", "trainer.micro_batch=2", "tracking.enabled=false"]
+    base = [
+        "+chip=cpu",
+        f"model={args.model}",
+        f"trainer.steps={args.steps}",
+        f"trainer.warmup_steps={args.warmup}",
+        f"trainer.global_batch={args.global_batch}",
+        "trainer.micro_batch=2",
+        "tracking.enabled=false",
+    ]
     configs = {}
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         for name in PRESETS:
@@ -60,8 +68,10 @@ def main() -> None:
             times[name].append(result["summary"]["step_time_median_s"])
     tokens = args.global_batch * configs["single"].trainer.seq_len
     base_t = statistics.median(times["single"])
-    print(f"model={args.model} global_batch={args.global_batch} seq_len={configs['single'].trainer.seq_len} "
-          f"steps={args.steps} (first {args.warmup} not timed) repeats={args.repeats}")
+    print(
+        f"model={args.model} global_batch={args.global_batch} seq_len={configs['single'].trainer.seq_len} "
+        f"steps={args.steps} (first {args.warmup} not timed) repeats={args.repeats}"
+    )
     print(f"{'preset':<11} {'procs':>5} {'step_time_s':>12} {'tokens/s':>10} {'vs single':>10}")
     for name, values in times.items():
         if not values:

@@ -18,6 +18,7 @@ contention rather than layouts. On the CPU the measured peak is the process's re
 (Python and torch included) and the plan includes ``planner.runtime_overhead_gb``: the memory
 columns show the comparison, not an accuracy claim.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,18 @@ def main() -> None:
     register_configs()
     store = tempfile.mkdtemp(prefix="plan-calibration-")
     uri = f"sqlite:///{store}/mlruns.db"
-    common = ["+chip=cpu", f"model={args.model}", "model.tie_embeddings=false", f"trainer.steps={args.steps}",
-              "trainer.global_batch=16", "trainer.micro_batch=4", "trainer.seq_len=128", "trainer.log_every=10",
-              f"tracking.uri={uri}", "tracking.experiment=calibration"]
+    common = [
+        "+chip=cpu",
+        f"model={args.model}",
+        "model.tie_embeddings=false",
+        f"trainer.steps={args.steps}",
+        "trainer.global_batch=16",
+        "trainer.micro_batch=4",
+        "trainer.seq_len=128",
+        "trainer.log_every=10",
+        f"tracking.uri={uri}",
+        "tracking.experiment=calibration",
+    ]
     presets = args.presets.split(",")
     held_names = {p for p in args.held_out.split(",") if p}
     unknown = held_names - set(presets)
@@ -86,23 +96,32 @@ def main() -> None:
         return
     cal = planner.calibrate(fit, _compose(common).planner, held_out=held)
     peaks = {t.run_id: t.peak_mem_gb for t in trials}
-    print(f"model={args.model} steps={args.steps} global_batch=16 seq_len=128 threads/worker={args.threads}; "
-          f"fitted compute_efficiency={cal.compute_efficiency:.4g} comm_efficiency={cal.comm_efficiency:.4g} "
-          f"collective_latency_us={cal.collective_latency_us:.4g}")
-    print(f"{'preset':<10}{'role':<10}{'measured_s':>12}{'predicted_s':>13}{'error':>8}{'planned_gb':>12}"
-          f"{'peak_gb':>10}")
+    print(
+        f"model={args.model} steps={args.steps} global_batch=16 seq_len=128 threads/worker={args.threads}; "
+        f"fitted compute_efficiency={cal.compute_efficiency:.4g} comm_efficiency={cal.comm_efficiency:.4g} "
+        f"collective_latency_us={cal.collective_latency_us:.4g}"
+    )
+    print(
+        f"{'preset':<10}{'role':<10}{'measured_s':>12}{'predicted_s':>13}{'error':>8}{'planned_gb':>12}{'peak_gb':>10}"
+    )
     rows = [("fitted", r) for r in cal.runs] + [("held-out", r) for r in (cal.heldout.runs if cal.heldout else [])]
     for role, run in sorted(rows, key=lambda x: x[1]["measured_s"]):
         preset, plan_gb = planned.get(run["run_id"], ("?", float("nan")))
-        print(f"{preset:<10}{role:<10}{run['measured_s']:>12.4f}{run['predicted_s']:>13.4f}"
-              f"{100 * run['rel_error']:>7.0f}%{plan_gb:>12.2f}{peaks.get(run['run_id']) or float('nan'):>10.2f}")
-    print(f"fitted:   median |relative error| {100 * cal.median_abs_rel_error:.1f}%, Spearman rho "
-          f"{_rho(cal.spearman_rho)} over {cal.n_runs} runs ({cal.n_fitted} factors fitted; in-sample)")
+        print(
+            f"{preset:<10}{role:<10}{run['measured_s']:>12.4f}{run['predicted_s']:>13.4f}"
+            f"{100 * run['rel_error']:>7.0f}%{plan_gb:>12.2f}{peaks.get(run['run_id']) or float('nan'):>10.2f}"
+        )
+    print(
+        f"fitted:   median |relative error| {100 * cal.median_abs_rel_error:.1f}%, Spearman rho "
+        f"{_rho(cal.spearman_rho)} over {cal.n_runs} runs ({cal.n_fitted} factors fitted; in-sample)"
+    )
     if cal.heldout and cal.heldout.n_runs:
         h = cal.heldout
-        print(f"held-out: median |relative error| {100 * h.median_abs_rel_error:.1f}%, largest "
-              f"{100 * h.max_abs_rel_error:.1f}%, Spearman rho {_rho(h.spearman_rho)} over {h.n_runs} layouts "
-              f"not fitted to")
+        print(
+            f"held-out: median |relative error| {100 * h.median_abs_rel_error:.1f}%, largest "
+            f"{100 * h.max_abs_rel_error:.1f}%, Spearman rho {_rho(h.spearman_rho)} over {h.n_runs} layouts "
+            f"not fitted to"
+        )
     else:
         print("held-out: none (give --held-out presets that ran)")
     print(f"MLflow store: {uri}")

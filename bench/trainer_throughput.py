@@ -12,6 +12,7 @@ the warm-up steps:
 - launched: the full path, ``orchestrator.trial.run``: torch's elastic launcher starts one
             worker process (tracking off); start-up is not in the figure, steady state is.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,8 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from orchestrator import conf_dir, trial  # noqa: E402
 from orchestrator.config import register_configs  # noqa: E402
-from trainers.loop import train  # noqa: E402
 from trainers.config import TrialSpec  # noqa: E402
+from trainers.loop import train  # noqa: E402
 from trainers.model import GPT, cross_entropy  # noqa: E402
 
 
@@ -62,8 +63,13 @@ def main() -> None:
     args = ap.parse_args()
 
     register_configs()
-    overrides = ["+chip=cpu", f"model={args.model}", f"trainer.steps={args.steps}",
-                 f"trainer.warmup_steps={args.warmup}", "tracking.enabled=false"]
+    overrides = [
+        "+chip=cpu",
+        f"model={args.model}",
+        f"trainer.steps={args.steps}",
+        f"trainer.warmup_steps={args.warmup}",
+        "tracking.enabled=false",
+    ]
     with initialize_config_dir(str(conf_dir()), version_base="1.3"):
         cfg = trial.prepare(compose("config", overrides=overrides))
     spec = trial.build_spec(cfg)
@@ -78,8 +84,10 @@ def main() -> None:
         runs["launched"].append(result["summary"]["step_time_median_s"])
 
     base = statistics.median(runs["plain"])
-    print(f"model={args.model} global_batch={cfg.trainer.global_batch} seq_len={cfg.trainer.seq_len} "
-          f"steps={args.steps} (first {args.warmup} not timed) repeats={args.repeats} threads={torch.get_num_threads()}")
+    print(
+        f"model={args.model} global_batch={cfg.trainer.global_batch} seq_len={cfg.trainer.seq_len} "
+        f"steps={args.steps} (first {args.warmup} not timed) repeats={args.repeats} threads={torch.get_num_threads()}"
+    )
     print(f"{'variant':<10} {'step_time_s':>12} {'tokens/s':>10} {'ratio to plain':>15}")
     for name, values in runs.items():
         st = statistics.median(values)

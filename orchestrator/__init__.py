@@ -1,4 +1,5 @@
 """Control plane: config, validation, chips, launch and MLflow tracking."""
+
 from pathlib import Path
 
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 Exit codes: 0 finished; 1 the trial failed (its status and reason are in MLflow); 2 the config is
 broken (one line per broken rule, nothing launched, nothing recorded).
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,9 +24,14 @@ EXIT_FAILED, EXIT_CONFIG = 1, 2
 def _report(result: dict) -> None:
     s = result.get("summary") or {}
     if result["status"] == "finished":
-        log.info("finished run %s: final_loss=%.4f step_time_median_s=%.4f tokens_per_s=%.0f peak_mem_gb=%.2f",
-                 result["run_id"], s.get("final_loss", float("nan")), s.get("step_time_median_s", float("nan")),
-                 s.get("tokens_per_s_median", float("nan")), s.get("peak_mem_gb", float("nan")))
+        log.info(
+            "finished run %s: final_loss=%.4f step_time_median_s=%.4f tokens_per_s=%.0f peak_mem_gb=%.2f",
+            result["run_id"],
+            s.get("final_loss", float("nan")),
+            s.get("step_time_median_s", float("nan")),
+            s.get("tokens_per_s_median", float("nan")),
+            s.get("peak_mem_gb", float("nan")),
+        )
     else:
         log.error("run %s ended %s: %s", result["run_id"], result["status"], result.get("reason", ""))
 

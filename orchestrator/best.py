@@ -9,6 +9,7 @@ diverge (non-finite, or ending above where it started). Repeats of one config (o
 its resolved config as a Hydra config: put it at ``DIR/experiment/NAME.yaml`` and run
 ``python -m orchestrator --config-dir DIR +experiment=NAME``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,12 +23,20 @@ from orchestrator import results, tracking
 from orchestrator.results import fmt
 
 
-def rank(uri: str, experiment: str, objective: str = "step_time_median_s", direction: str = "minimize",
-         sweep: Optional[str] = None, chip: Optional[str] = None, model: Optional[str] = None,
-         status: str = tracking.STATUS_OK) -> Dict[str, Any]:
+def rank(
+    uri: str,
+    experiment: str,
+    objective: str = "step_time_median_s",
+    direction: str = "minimize",
+    sweep: Optional[str] = None,
+    chip: Optional[str] = None,
+    model: Optional[str] = None,
+    status: str = tracking.STATUS_OK,
+) -> Dict[str, Any]:
     """Candidates (configs) best first, and what was left out and why."""
-    runs = results.search(uri, experiment, results.tag_filter(sweep=sweep, chip=chip, model=model,
-                                                              trial__status=status))
+    runs = results.search(
+        uri, experiment, results.tag_filter(sweep=sweep, chip=chip, model=model, trial__status=status)
+    )
     excluded: List[Dict[str, str]] = []
     groups: Dict[str, List[Any]] = {}
     for run in runs:
@@ -47,8 +56,15 @@ def rank(uri: str, experiment: str, objective: str = "step_time_median_s", direc
         med = statistics.median(values)
         # the run that stands for the config: the one nearest its median (the newest on a tie)
         rep = min(members, key=lambda r: (abs(results.value(r, objective) - med), -r.info.start_time))
-        candidates.append({"config_hash": chash, "value": med, "runs": [r.info.run_id for r in members],
-                           "spread": results.spread(values), "run": rep})
+        candidates.append(
+            {
+                "config_hash": chash,
+                "value": med,
+                "runs": [r.info.run_id for r in members],
+                "spread": results.spread(values),
+                "run": rep,
+            }
+        )
     candidates.sort(key=lambda c: c["value"], reverse=direction == "maximize")
     return {"candidates": candidates, "excluded": excluded, "considered": len(runs)}
 
@@ -58,26 +74,59 @@ def describe(uri: str, objective: str, direction: str, cand: Dict[str, Any], exp
     overrides = results.overrides_of(uri, run)
     tags = run.data.tags
     return {
-        "run_id": run.info.run_id, "objective": objective, "value": cand["value"], "overrides": overrides,
-        "command": results.command(overrides), "direction": direction, "experiment": experiment,
-        "config_hash": cand["config_hash"], "runs": cand["runs"], "spread": cand["spread"],
-        "final_loss": run.data.metrics.get("final_loss"), "chip": tags.get("chip"), "model": tags.get("model"),
-        "layout": tags.get("layout"), "precision": tags.get("precision"), "sweep": tags.get("sweep"),
+        "run_id": run.info.run_id,
+        "objective": objective,
+        "value": cand["value"],
+        "overrides": overrides,
+        "command": results.command(overrides),
+        "direction": direction,
+        "experiment": experiment,
+        "config_hash": cand["config_hash"],
+        "runs": cand["runs"],
+        "spread": cand["spread"],
+        "final_loss": run.data.metrics.get("final_loss"),
+        "chip": tags.get("chip"),
+        "model": tags.get("model"),
+        "layout": tags.get("layout"),
+        "precision": tags.get("precision"),
+        "sweep": tags.get("sweep"),
     }
 
 
 def table(uri: str, objective: str, candidates: List[Dict[str, Any]], top: int) -> str:
-    header = ["rank", objective, "runs", "spread", "final_loss", "chip", "model", "layout", "precision", "run_id",
-              "overrides"]
+    header = [
+        "rank",
+        objective,
+        "runs",
+        "spread",
+        "final_loss",
+        "chip",
+        "model",
+        "layout",
+        "precision",
+        "run_id",
+        "overrides",
+    ]
     rows = []
     for i, c in enumerate(candidates[:top], 1):
         run = c["run"]
         t = run.data.tags
         name = t.get("mlflow.runName", "")
-        rows.append([str(i), fmt(c["value"]), str(len(c["runs"])), f"{100 * c['spread']:.1f}%",
-                     fmt(run.data.metrics.get("final_loss")), t.get("chip", ""), t.get("model", ""),
-                     t.get("layout", ""), t.get("precision", ""), run.info.run_id[:12],
-                     "" if name == "default" else name])
+        rows.append(
+            [
+                str(i),
+                fmt(c["value"]),
+                str(len(c["runs"])),
+                f"{100 * c['spread']:.1f}%",
+                fmt(run.data.metrics.get("final_loss")),
+                t.get("chip", ""),
+                t.get("model", ""),
+                t.get("layout", ""),
+                t.get("precision", ""),
+                run.info.run_id[:12],
+                "" if name == "default" else name,
+            ]
+        )
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     lines = []
     for r in [header, *rows]:
@@ -91,12 +140,14 @@ def experiment_yaml(uri: str, best: Dict[str, Any], stem: str) -> str:
 
     resolved = OmegaConf.create(results.artifact_text(uri, best["run_id"], "config.yaml"))
     body = OmegaConf.create({k: resolved[k] for k in tracking.HASHED_SECTIONS if k in resolved})
-    head = (f"# @package _global_\n"
-            f"# The best config of experiment {best['experiment']} by {best['objective']} ({best['direction']}): "
-            f"{fmt(best['value'])}, run {best['run_id']}\n"
-            f"# (config hash {best['config_hash']}); written by python -m orchestrator.best.\n"
-            f"# Run it: python -m orchestrator --config-dir DIR +experiment={stem}"
-            f"  (this file: DIR/experiment/{stem}.yaml)\n")
+    head = (
+        f"# @package _global_\n"
+        f"# The best config of experiment {best['experiment']} by {best['objective']} ({best['direction']}): "
+        f"{fmt(best['value'])}, run {best['run_id']}\n"
+        f"# (config hash {best['config_hash']}); written by python -m orchestrator.best.\n"
+        f"# Run it: python -m orchestrator --config-dir DIR +experiment={stem}"
+        f"  (this file: DIR/experiment/{stem}.yaml)\n"
+    )
     return head + OmegaConf.to_yaml(body)
 
 
@@ -109,8 +160,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--sweep", help="only this sweep's trials (its id, the sweep tag)")
     ap.add_argument("--chip", help="only trials on this chip (tag chip)")
     ap.add_argument("--model", help="only trials of this model (tag model)")
-    ap.add_argument("--status", default=tracking.STATUS_OK,
-                    help="trial.status of the runs considered (default finished)")
+    ap.add_argument(
+        "--status", default=tracking.STATUS_OK, help="trial.status of the runs considered (default finished)"
+    )
     ap.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     ap.add_argument("--json", action="store_true", help="print the best as JSON")
     ap.add_argument("--write", metavar="PATH", help="save the best config as a Hydra config (DIR/experiment/NAME.yaml)")
@@ -122,10 +174,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     ranked = rank(uri, args.experiment, args.objective, args.direction, args.sweep, args.chip, args.model, args.status)
     cands = ranked["candidates"]
     if not cands:
-        filters = ", ".join(f"{k}={v}" for k, v in (("sweep", args.sweep), ("chip", args.chip),
-                                                      ("model", args.model), ("status", args.status)) if v)
-        print(f"error: --experiment={args.experiment}: no run with {args.objective} ({filters}); "
-              f"{len(ranked['excluded'])} excluded", file=sys.stderr)
+        filters = ", ".join(
+            f"{k}={v}"
+            for k, v in (("sweep", args.sweep), ("chip", args.chip), ("model", args.model), ("status", args.status))
+            if v
+        )
+        print(
+            f"error: --experiment={args.experiment}: no run with {args.objective} ({filters}); "
+            f"{len(ranked['excluded'])} excluded",
+            file=sys.stderr,
+        )
         for e in ranked["excluded"][:10]:
             print(f"  {e['run_id']}: {e['reason']}", file=sys.stderr)
         return 1
@@ -140,18 +198,24 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(json.dumps(best, indent=1, default=str))
     else:
         n_div = sum(e["reason"].startswith("diverged") for e in ranked["excluded"])
-        print(f"{len(cands)} config(s) from {ranked['considered']} {args.status} run(s) in experiment "
-              f"{args.experiment}, by {args.objective} ({args.direction}); {n_div} diverged run(s) left out")
+        print(
+            f"{len(cands)} config(s) from {ranked['considered']} {args.status} run(s) in experiment "
+            f"{args.experiment}, by {args.objective} ({args.direction}); {n_div} diverged run(s) left out"
+        )
         print(table(uri, args.objective, cands, args.top))
-        print(f"\nbest: run {best['run_id']}, {args.objective}={fmt(best['value'])} "
-              f"(median of {len(best['runs'])} run(s)), final_loss={fmt(best['final_loss'])}")
+        print(
+            f"\nbest: run {best['run_id']}, {args.objective}={fmt(best['value'])} "
+            f"(median of {len(best['runs'])} run(s)), final_loss={fmt(best['final_loss'])}"
+        )
         print(best["command"])
     if args.write:
         path = Path(args.write)
-        hint = (f"python -m orchestrator --config-dir {path.parent.parent} +experiment={path.stem}"
-                if path.parent.name == "experiment" else
-                f"(Hydra loads +experiment={path.stem} from a folder named experiment/: "
-                f"write it to DIR/experiment/{path.stem}.yaml)")
+        hint = (
+            f"python -m orchestrator --config-dir {path.parent.parent} +experiment={path.stem}"
+            if path.parent.name == "experiment"
+            else f"(Hydra loads +experiment={path.stem} from a folder named experiment/: "
+            f"write it to DIR/experiment/{path.stem}.yaml)"
+        )
         print(f"wrote {path}; run it: {hint}", file=sys.stderr if args.json else sys.stdout)
     return 0
 

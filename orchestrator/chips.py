@@ -4,11 +4,12 @@
 detected: an Ascend NPU when ``torch_npu`` imports and sees devices, else a CUDA GPU, else the
 CPU. Detection imports torch (and torch_npu) only when it is needed.
 """
+
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -88,8 +89,10 @@ def availability_error(chip: DictConfig) -> Optional[str]:
         return None
     hint = "chip.emulate=true rehearses the chip's plan on CPU with gloo"
     if chip.torch_plugin and importlib.util.find_spec(chip.torch_plugin) is None:
-        return (f"chip={chip.name} needs {chip.torch_plugin}, which is not installed here "
-                f"(pip install '.[npu]' on a machine with Huawei CANN); {hint}")
+        return (
+            f"chip={chip.name} needs {chip.torch_plugin}, which is not installed here "
+            f"(pip install '.[npu]' on a machine with Huawei CANN); {hint}"
+        )
     if chip.device_type == "npu" and _npu_count() == 0:
         return f"chip={chip.name}: torch_npu imports but sees no NPU device; {hint}"
     if chip.device_type == "cuda":

@@ -10,6 +10,7 @@ channel-mean fingerprints), and the first layer that departs (by the same thresh
 cosine below 1 - threshold) is named. Writes ``compare.md`` and ``compare_loss.png`` to --out;
 ``--log`` also attaches them to RUN_B in MLflow.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,11 +75,18 @@ def compare(uri: str, run_a: str, run_b: str, threshold: float = 0.02) -> Dict[s
             other = rows_b.get((r["layer"], r["kind"]))
             if other is None:
                 continue
-            layers.append({"step": s, "layer": r["layer"], "kind": r["kind"],
-                           "mean_abs_rel_err": rel(r["mean_abs"], other["mean_abs"]),
-                           "max_abs_rel_err": rel(r["max_abs"], other["max_abs"]),
-                           "cosine": _cosine(r.get("fingerprint", []), other.get("fingerprint", [])),
-                           "nonfinite_a": r["nonfinite"], "nonfinite_b": other["nonfinite"]})
+            layers.append(
+                {
+                    "step": s,
+                    "layer": r["layer"],
+                    "kind": r["kind"],
+                    "mean_abs_rel_err": rel(r["mean_abs"], other["mean_abs"]),
+                    "max_abs_rel_err": rel(r["max_abs"], other["max_abs"]),
+                    "cosine": _cosine(r.get("fingerprint", []), other.get("fingerprint", [])),
+                    "nonfinite_a": r["nonfinite"],
+                    "nonfinite_b": other["nonfinite"],
+                }
+            )
     first_layer = None
     for row in sorted(layers, key=lambda r: (r["step"], r["kind"] != "activation", r["layer"])):
         departs = row["mean_abs_rel_err"] > threshold or (row["cosine"] is not None and row["cosine"] < 1 - threshold)
@@ -87,7 +95,10 @@ def compare(uri: str, run_a: str, run_b: str, threshold: float = 0.02) -> Dict[s
             break
     finite = [r["rel_diff"] for r in per_step if math.isfinite(r["rel_diff"])]
     return {
-        "run_a": run_a, "run_b": run_b, "threshold": threshold, "steps_compared": len(steps),
+        "run_a": run_a,
+        "run_b": run_b,
+        "threshold": threshold,
+        "steps_compared": len(steps),
         "first_divergence_step": first_step,
         "first_divergent_layer": first_layer["layer"] if first_layer else None,
         "first_divergent_layer_detail": first_layer,
@@ -99,17 +110,25 @@ def compare(uri: str, run_a: str, run_b: str, threshold: float = 0.02) -> Dict[s
 
 def write_report(result: Dict[str, Any], out: Path) -> List[Path]:
     out.mkdir(parents=True, exist_ok=True)
-    md = [f"# {result['run_a']} vs {result['run_b']}", "",
-          f"- steps compared: {result['steps_compared']}, threshold {result['threshold']}",
-          f"- first divergence step: {result['first_divergence_step']}",
-          f"- first divergent layer: {result['first_divergent_layer']}",
-          f"- max relative loss difference: {result['max_rel_loss_diff']}", "",
-          "| step | loss A | loss B | rel diff |", "|---:|---:|---:|---:|"]
+    md = [
+        f"# {result['run_a']} vs {result['run_b']}",
+        "",
+        f"- steps compared: {result['steps_compared']}, threshold {result['threshold']}",
+        f"- first divergence step: {result['first_divergence_step']}",
+        f"- first divergent layer: {result['first_divergent_layer']}",
+        f"- max relative loss difference: {result['max_rel_loss_diff']}",
+        "",
+        "| step | loss A | loss B | rel diff |",
+        "|---:|---:|---:|---:|",
+    ]
     md += [f"| {r['step']} | {r['loss_a']:.6f} | {r['loss_b']:.6f} | {r['rel_diff']:.2e} |" for r in result["per_step"]]
     if result["layers"]:
         md += ["", "| step | layer | kind | mean abs rel err | cosine |", "|---:|---:|---|---:|---:|"]
-        md += [f"| {r['step']} | {r['layer']} | {r['kind']} | {r['mean_abs_rel_err']:.2e} | "
-               f"{'' if r['cosine'] is None else format(r['cosine'], '.6f')} |" for r in result["layers"]]
+        md += [
+            f"| {r['step']} | {r['layer']} | {r['kind']} | {r['mean_abs_rel_err']:.2e} | "
+            f"{'' if r['cosine'] is None else format(r['cosine'], '.6f')} |"
+            for r in result["layers"]
+        ]
     paths = [out / "compare.md"]
     paths[0].write_text("\n".join(md) + "\n")
     try:
@@ -137,8 +156,9 @@ def write_report(result: Dict[str, Any], out: Path) -> List[Path]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.compare", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m orchestrator.compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("run_a")
     ap.add_argument("run_b")
     ap.add_argument("--threshold", type=float, default=0.02, help="relative difference that counts (default 0.02)")

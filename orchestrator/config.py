@@ -7,6 +7,7 @@ composes. Each section is declared once, by the component that reads it: the tra
 as they are; the control plane's (chip, tracking, launch, planner) here. Cross-field rules live in
 :mod:`orchestrator.validate`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,8 +16,7 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from trainers.config import (CommConfig, DataConfig, ModelConfig, ParallelConfig, PrecisionConfig,
-                             TrainerConfig)
+from trainers.config import CommConfig, DataConfig, ModelConfig, ParallelConfig, PrecisionConfig, TrainerConfig
 
 
 @dataclass
@@ -55,6 +55,7 @@ class TrackingConfig:
 class RayLaunchConfig:
     """Where trials go when they go to Ray (``hydra/launcher=ray``, a trial larger than one node,
     or a cluster address): not part of a trial's config hash."""
+
     address: Optional[str] = None  # join this cluster (default $RAY_ADDRESS); none: start a local one
     num_cpus: Optional[int] = None  # CPUs of a local cluster; default: all of this machine's
     dashboard: bool = True  # the local cluster's dashboard (and state API), on 127.0.0.1 only
@@ -77,6 +78,7 @@ class LaunchConfig:
 @dataclass
 class PlannerConfig:
     """Assumptions of the planner (orchestrator/planner/), never of a run; not part of a trial's config hash."""
+
     headroom: float = 0.9  # plan to fill at most this fraction of chip.memory_gb
     # runtime reserve per device, GiB: CANN/CUDA context, HCCL/NCCL workspaces, caching-allocator
     # slack (an estimate, not a measurement) ...

@@ -8,6 +8,7 @@ trainer builds by (``trainers/rules.py``); :func:`effective_view` is the part of
 changes what runs, and :func:`no_effect` tells whether the candidates of a tuning variable differ
 in it at all (the OVAT sweeper skips a variable that does not, with the reason).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -22,8 +23,15 @@ SECTIONS = ("chip", "parallel", "precision", "comm", "model", "data", "trainer",
 # labels: recorded as tags and shown in reports; the run is the same whatever they say
 LABELS = ("model.name", "precision.name", "comm.name", "chip.name", "chip.vendor", "chip.source")
 # where a trial runs, not what it computes
-PLACEMENT = ("launch.master_addr", "launch.master_port", "launch.start_method", "launch.max_failures",
-             "launch.ray", "launch.world_size", "launch.nnodes")
+PLACEMENT = (
+    "launch.master_addr",
+    "launch.master_port",
+    "launch.start_method",
+    "launch.max_failures",
+    "launch.ray",
+    "launch.world_size",
+    "launch.nnodes",
+)
 
 Rule = Callable[[DictConfig, Layout], Optional[str]]
 
@@ -41,43 +49,67 @@ def _unless(cond: Callable[[DictConfig, Layout], bool], why: str) -> Rule:
 
 
 RULES: Dict[str, Rule] = {
-    "comm.bucket_mb": _unless(lambda c, lay: _wrapping(c, lay) == "ddp",
-                              "DDP gradient buckets exist only with DDP (parallel.dp>1, parallel.tp=1, "
-                              "parallel.dp_shard=ddp)"),
-    "comm.compression": _unless(lambda c, lay: _wrapping(c, lay) == "ddp",
-                                "gradient compression hooks DDP's all-reduce (parallel.dp>1, tp=1, dp_shard=ddp)"),
-    "comm.topk_ratio": _unless(lambda c, lay: _wrapping(c, lay) == "ddp" and c.comm.compression == "topk",
-                               "read by comm.compression=topk only"),
-    "comm.powersgd_rank": _unless(lambda c, lay: _wrapping(c, lay) == "ddp" and c.comm.compression == "powersgd",
-                                  "read by comm.compression=powersgd only"),
+    "comm.bucket_mb": _unless(
+        lambda c, lay: _wrapping(c, lay) == "ddp",
+        "DDP gradient buckets exist only with DDP (parallel.dp>1, parallel.tp=1, parallel.dp_shard=ddp)",
+    ),
+    "comm.compression": _unless(
+        lambda c, lay: _wrapping(c, lay) == "ddp",
+        "gradient compression hooks DDP's all-reduce (parallel.dp>1, tp=1, dp_shard=ddp)",
+    ),
+    "comm.topk_ratio": _unless(
+        lambda c, lay: _wrapping(c, lay) == "ddp" and c.comm.compression == "topk", "read by comm.compression=topk only"
+    ),
+    "comm.powersgd_rank": _unless(
+        lambda c, lay: _wrapping(c, lay) == "ddp" and c.comm.compression == "powersgd",
+        "read by comm.compression=powersgd only",
+    ),
     "comm.overlap": _unless(lambda c, lay: lay.dp > 1, "with one replica there is no gradient reduction to overlap"),
-    "comm.buffsize_mb": _unless(lambda c, lay: _backend(c) == "hccl" and lay.world_size > 1,
-                                "HCCL_BUFFSIZE is read by HCCL only (a multi-rank trial on an Ascend chip)"),
-    "comm.nccl_buffsize_mb": _unless(lambda c, lay: _backend(c) == "nccl" and lay.world_size > 1,
-                                     "NCCL_BUFFSIZE is read by NCCL only (a multi-rank trial on a CUDA chip)"),
+    "comm.buffsize_mb": _unless(
+        lambda c, lay: _backend(c) == "hccl" and lay.world_size > 1,
+        "HCCL_BUFFSIZE is read by HCCL only (a multi-rank trial on an Ascend chip)",
+    ),
+    "comm.nccl_buffsize_mb": _unless(
+        lambda c, lay: _backend(c) == "nccl" and lay.world_size > 1,
+        "NCCL_BUFFSIZE is read by NCCL only (a multi-rank trial on a CUDA chip)",
+    ),
     "comm.timeout_s": _unless(lambda c, lay: lay.world_size > 1, "one process: no collective to time out"),
     "parallel.microbatches": _unless(lambda c, lay: lay.pp > 1, "pipeline microbatches need parallel.pp>1"),
     "parallel.schedule": _unless(lambda c, lay: lay.pp > 1, "a pipeline schedule needs parallel.pp>1"),
-    "parallel.virtual_stages": _unless(lambda c, lay: lay.pp > 1 and c.parallel.schedule == "interleaved_1f1b",
-                                       "read by parallel.schedule=interleaved_1f1b only"),
-    "parallel.dp_shard": _unless(lambda c, lay: lay.dp > 1 and lay.tp == 1,
-                                 "chooses DDP or FSDP only where parallel.dp>1 and parallel.tp=1 "
-                                 "(with tensor parallelism the replicas are always FSDP)"),
+    "parallel.virtual_stages": _unless(
+        lambda c, lay: lay.pp > 1 and c.parallel.schedule == "interleaved_1f1b",
+        "read by parallel.schedule=interleaved_1f1b only",
+    ),
+    "parallel.dp_shard": _unless(
+        lambda c, lay: lay.dp > 1 and lay.tp == 1,
+        "chooses DDP or FSDP only where parallel.dp>1 and parallel.tp=1 "
+        "(with tensor parallelism the replicas are always FSDP)",
+    ),
     "parallel.sequence_parallel": _unless(lambda c, lay: lay.tp > 1, "sequence parallelism needs parallel.tp>1"),
-    "trainer.micro_batch": _unless(lambda c, lay: lay.pp == 1,
-                                   "with a pipeline, parallel.microbatches cuts the batch instead"),
+    "trainer.micro_batch": _unless(
+        lambda c, lay: lay.pp == 1, "with a pipeline, parallel.microbatches cuts the batch instead"
+    ),
     "precision.init_scale": _unless(lambda c, lay: c.precision.loss_scale != "none", "precision.loss_scale=none"),
-    "precision.max_consecutive_skips": _unless(lambda c, lay: c.precision.loss_scale != "none",
-                                               "steps are skipped only under loss scaling"),
-    **{f"precision.{k}": _unless(lambda c, lay: c.precision.loss_scale == "dynamic",
-                                 "read by precision.loss_scale=dynamic only")
-       for k in ("growth_interval", "growth_factor", "backoff_factor", "hysteresis")},
-    "precision.fp32_ops": _unless(lambda c, lay: c.precision.compute_dtype != "fp32",
-                                  "everything already runs in fp32 (precision.compute_dtype=fp32)"),
-    "precision.master_weights_fp32": _unless(lambda c, lay: c.precision.param_dtype != "fp32",
-                                             "parameters are fp32 already (precision.param_dtype=fp32)"),
-    **{f"trainer.{k}": _unless(lambda c, lay: bool(c.trainer.profile), "read by trainer.profile=true only")
-       for k in ("profile_start", "profile_steps", "profile_dir")},
+    "precision.max_consecutive_skips": _unless(
+        lambda c, lay: c.precision.loss_scale != "none", "steps are skipped only under loss scaling"
+    ),
+    **{
+        f"precision.{k}": _unless(
+            lambda c, lay: c.precision.loss_scale == "dynamic", "read by precision.loss_scale=dynamic only"
+        )
+        for k in ("growth_interval", "growth_factor", "backoff_factor", "hysteresis")
+    },
+    "precision.fp32_ops": _unless(
+        lambda c, lay: c.precision.compute_dtype != "fp32",
+        "everything already runs in fp32 (precision.compute_dtype=fp32)",
+    ),
+    "precision.master_weights_fp32": _unless(
+        lambda c, lay: c.precision.param_dtype != "fp32", "parameters are fp32 already (precision.param_dtype=fp32)"
+    ),
+    **{
+        f"trainer.{k}": _unless(lambda c, lay: bool(c.trainer.profile), "read by trainer.profile=true only")
+        for k in ("profile_start", "profile_steps", "profile_dir")
+    },
     "trainer.compile_backend": _unless(lambda c, lay: bool(c.trainer.compile), "read by trainer.compile=true only"),
     "trainer.checkpoint_dir": _unless(lambda c, lay: c.trainer.checkpoint_every > 0, "trainer.checkpoint_every=0"),
     "trainer.eval_batches": _unless(lambda c, lay: c.trainer.eval_every > 0, "trainer.eval_every=0"),

@@ -3,6 +3,7 @@
 This is the API behind ``torchrun``: it sets RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR for
 every worker, watches them, and restarts the whole worker group up to ``max_failures`` times.
 """
+
 from __future__ import annotations
 
 import socket

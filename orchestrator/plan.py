@@ -14,6 +14,7 @@ chip's operator table (``unsupported_ops``) to FILE.
 
 Exit codes: 0 planned; 2 the overrides or the config are broken (one ``error:`` line each).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,10 @@ def _gb(x: float) -> str:
 
 
 def table(plans: List[planner.LayoutPlan]) -> str:
-    head = (f"{'layout':<14}{'mb':>5} {'schedule':<17}{'params':>8}{'grads':>8}{'optim':>8}{'act':>8}{'buf':>8}"
-            f"{'total':>8}{'fits':>6}{'bubble':>8}{'comm':>7}{'step_s':>10}{'mfu':>7}")
+    head = (
+        f"{'layout':<14}{'mb':>5} {'schedule':<17}{'params':>8}{'grads':>8}{'optim':>8}{'act':>8}{'buf':>8}"
+        f"{'total':>8}{'fits':>6}{'bubble':>8}{'comm':>7}{'step_s':>10}{'mfu':>7}"
+    )
     rows = [head, "-" * len(head)]
     for p in plans:
         s, g = p.shape, p.memory.gb()
@@ -78,9 +81,11 @@ def table(plans: List[planner.LayoutPlan]) -> str:
             sched += f"(v={s.virtual_stages})"
         name = f"dp{s.dp}tp{s.tp}pp{s.pp}" + ("+sp" if s.sequence_parallel else "") + ("+fsdp" if s.fsdp else "")
         mem = "".join(f"{_gb(g[k]):>8}" for k in ("params", "grads", "optimizer", "activations", "buffers", "total"))
-        rows.append(f"{name:<14}{s.microbatches:>5} {sched:<17}{mem}"
-                    f"{'yes' if p.memory.fits else 'no':>6}{_pct(p.step.bubble_fraction):>8}"
-                    f"{_pct(p.step.comm_share):>7}{p.step.step_time_s:>10.3f}{_pct(p.step.mfu):>7}")
+        rows.append(
+            f"{name:<14}{s.microbatches:>5} {sched:<17}{mem}"
+            f"{'yes' if p.memory.fits else 'no':>6}{_pct(p.step.bubble_fraction):>8}"
+            f"{_pct(p.step.comm_share):>7}{p.step.step_time_s:>10.3f}{_pct(p.step.mfu):>7}"
+        )
     return "\n".join(rows)
 
 
@@ -94,8 +99,10 @@ def header(cfg: DictConfig, cov: planner.OpCoverage, devices: Optional[int], cal
         + f"; global batch {t.global_batch} x {t.seq_len} tokens; {cfg.precision.name}"
         f" (params {cfg.precision.param_dtype}, compute {cfg.precision.compute_dtype})",
         f"operators: {cov.n_total}, coverage {_pct(cov.coverage)}, replacement rate {_pct(cov.replacement_rate)}"
-        f" (mapped {cov.count('mapped')}, custom {cov.count('custom')})" + (f"; planned with {mapped}" if mapped else ""),
-        f"efficiency: compute {float(cfg.planner.compute_efficiency):.3g}, comm {float(cfg.planner.comm_efficiency):.3g},"
+        f" (mapped {cov.count('mapped')}, custom {cov.count('custom')})"
+        + (f"; planned with {mapped}" if mapped else ""),
+        f"efficiency: compute {float(cfg.planner.compute_efficiency):.3g}, "
+        f"comm {float(cfg.planner.comm_efficiency):.3g},"
         f" latency {float(cfg.planner.collective_latency_us):.3g} us per collective"
         f" ({calibrated}); memory in GiB per device, buffers include the runtime reserve",
     ]
@@ -117,8 +124,10 @@ def calibrate_into(cfg: DictConfig) -> str:
     cfg.planner.compute_efficiency, cfg.planner.comm_efficiency = cal.compute_efficiency, cal.comm_efficiency
     cfg.planner.collective_latency_us = cal.collective_latency_us
     rho = "n/a" if cal.spearman_rho is None else f"{cal.spearman_rho:.2f}"
-    text = (f"{cal.n_fitted} factor(s) fitted to {cal.n_runs} trial(s): median |error| "
-            f"{_pct(cal.median_abs_rel_error)}, Spearman rho {rho}")
+    text = (
+        f"{cal.n_fitted} factor(s) fitted to {cal.n_runs} trial(s): median |error| "
+        f"{_pct(cal.median_abs_rel_error)}, Spearman rho {rho}"
+    )
     if loo.n_runs:  # the fit judged on layouts it did not see
         loo_rho = "n/a" if loo.spearman_rho is None else f"{loo.spearman_rho:.2f}"
         text += f"; each layout left out in turn: median |error| {_pct(loo.median_abs_rel_error)}, rho {loo_rho}"
@@ -134,20 +143,24 @@ def probe(cfg: DictConfig, path: str) -> Dict[str, Dict[str, str]]:
     chip = cfg.chip
     device = "cpu" if chip.emulate else str(chip.device_type)
     plugin = None if chip.emulate else chip.torch_plugin
-    results = probe_ops(device, OmegaConf.to_container(cfg.model, resolve=True), plugin,
-                        cfg.precision.compute_dtype)
+    results = probe_ops(device, OmegaConf.to_container(cfg.model, resolve=True), plugin, cfg.precision.compute_dtype)
     missing = sorted(op for op, r in results.items() if r["status"] in ("fallback", "error"))
     body = {"unsupported_ops": missing, "probe": results}
     with open(path, "w") as f:
-        f.write(f"# operator probe of model={cfg.model.name} on {device} (chip={chip.name}, "
-                f"compute {cfg.precision.compute_dtype}); unsupported_ops goes into conf/chip/{chip.name}.yaml\n")
+        f.write(
+            f"# operator probe of model={cfg.model.name} on {device} (chip={chip.name}, "
+            f"compute {cfg.precision.compute_dtype}); unsupported_ops goes into conf/chip/{chip.name}.yaml\n"
+        )
         yaml.safe_dump(body, f, sort_keys=False, allow_unicode=True)
     return results
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.plan", description=__doc__.split("\n\n")[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m orchestrator.plan",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m orchestrator")
     ap.add_argument("--devices", type=int, default=None, help="plan every DP/TP/PP layout of N devices")
     ap.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
@@ -180,8 +193,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     else:
         plans, skipped = planner.plan_devices(cfg, args.devices)
         if not plans:
-            _fail(sorted({e for errs in skipped.values() for e in errs})
-                  or [f"--devices={args.devices}: no DP/TP/PP layout of {cfg.model.name} fits that many devices"])
+            _fail(
+                sorted({e for errs in skipped.values() for e in errs})
+                or [f"--devices={args.devices}: no DP/TP/PP layout of {cfg.model.name} fits that many devices"]
+            )
     if args.json:
         print(json.dumps([p.contract() for p in plans], indent=1))
         return

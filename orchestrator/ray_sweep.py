@@ -10,6 +10,7 @@ shim in ``hydra_plugins/ray_launcher`` calls :func:`launch_jobs`.
 
 Ray is imported inside the functions: composing or validating a config never imports it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -57,8 +58,13 @@ def _run_job(hydra_context: Any, task_function: Any, config: DictConfig, singlet
     if os.path.isdir(cwd):
         os.chdir(cwd)
     Singleton.set_state(singleton_state)
-    return run_job(hydra_context=hydra_context, task_function=task_function, config=config,
-                   job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir")
+    return run_job(
+        hydra_context=hydra_context,
+        task_function=task_function,
+        config=config,
+        job_dir_key="hydra.sweep.dir",
+        job_subdir_key="hydra.sweep.subdir",
+    )
 
 
 def _outcome(ret: Any) -> Tuple[str, str]:
@@ -82,8 +88,14 @@ class _SweepBar:
 
             # a terminal that reports no size (0 x 0) would hide the bar: assume 100 x 20 there
             size = shutil.get_terminal_size((100, 20))
-            self._bar = tqdm(total=total, desc="sweep", file=sys.stderr, ncols=size.columns, nrows=size.lines,
-                             bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}{postfix}")
+            self._bar = tqdm(
+                total=total,
+                desc="sweep",
+                file=sys.stderr,
+                ncols=size.columns,
+                nrows=size.lines,
+                bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}{postfix}",
+            )
 
     def show(self, queued: int, running: int, done: int, failed: int) -> None:
         if self._bar is not None:
@@ -132,11 +144,14 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
         # the jobs' own processes hold no devices (their trials' workers do) and stay on this node,
         # beside the sweep's files and MLflow store; a job is never re-run (it would record twice)
         run = ray.remote(_run_job).options(
-            num_cpus=0, max_retries=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False))
+            num_cpus=0,
+            max_retries=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        )
         resources = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "NPU")}
-        log.info("Ray launcher: %d trial(s) on a cluster of %s; sweep dir %s", len(jobs), resources,
-                 config.hydra.sweep.dir)
+        log.info(
+            "Ray launcher: %d trial(s) on a cluster of %s; sweep dir %s", len(jobs), resources, config.hydra.sweep.dir
+        )
         state = Singleton.get_state()
         pending = {}
         for idx, overrides, job_cfg in jobs:

@@ -16,6 +16,7 @@ The sweep side of Ray (the ``hydra/launcher=ray`` core, which submits every tria
 once) is :mod:`orchestrator.ray_sweep`. Ray is imported inside the functions: composing or
 validating a config never imports it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,13 +54,16 @@ def launch_errors(chip: Any, launch: Any, world_size: int, nodes: int) -> List[s
     fix = "a multi-node trial runs on a Ray cluster: set launch.ray.address (or RAY_ADDRESS) to one"
     if int(launch.nnodes) > 1:
         return [f"launch.nnodes={launch.nnodes}: {fix}"]
-    return [f"parallel: dp*tp*pp={world_size} needs {nodes} nodes of chip={chip.name} "
-            f"(chip.devices_per_node={chip.devices_per_node}); {fix}"]
+    return [
+        f"parallel: dp*tp*pp={world_size} needs {nodes} nodes of chip={chip.name} "
+        f"(chip.devices_per_node={chip.devices_per_node}); {fix}"
+    ]
 
 
 @dataclass(frozen=True)
 class Placement:
     """How a trial's workers ask Ray for devices."""
+
     resource: str  # the Ray resource each worker holds whole units of: NPU | GPU | CPU
     nodes: int  # nodes the trial spans
     exclusive: bool  # whole nodes: each worker holds its share of all of a node's `resource`
@@ -84,11 +88,17 @@ class Placement:
             capable = [t for t in totals if t >= per_node]
             units = capable[0] // per_node if capable else 1
         if self.nodes == 1 and totals[-1] < world_size * units:
-            raise TrialFailed("infeasible", f"needs {world_size} x {units} {self.resource} on one node; the largest "
-                                            f"node of the Ray cluster has {totals[-1]}")
+            raise TrialFailed(
+                "infeasible",
+                f"needs {world_size} x {units} {self.resource} on one node; the largest "
+                f"node of the Ray cluster has {totals[-1]}",
+            )
         if sum(t // units for t in totals) < world_size:
-            raise TrialFailed("infeasible", f"needs {world_size} x {units} {self.resource}; the Ray cluster has "
-                                            f"{sum(totals)} on {len(totals)} node(s)")
+            raise TrialFailed(
+                "infeasible",
+                f"needs {world_size} x {units} {self.resource}; the Ray cluster has "
+                f"{sum(totals)} on {len(totals)} node(s)",
+            )
         return units
 
 
@@ -97,6 +107,7 @@ class BoardSlot:
     """A sweep job's place on its sweep's progress board (``orchestrator.ray_sweep``): the board,
     a named Ray actor, and the job's key on it. Rank 0 marks the key once the trial's workers are
     placed, so the sweep can tell a running trial from a queued one."""
+
     board: str
     key: int
 
@@ -116,12 +127,19 @@ def cluster(ray_cfg: Any, keep: bool = False) -> Iterator[None]:
         try:
             ray.init(address=address, log_to_driver=True, runtime_env=_code_runtime_env())
         except ConnectionError as err:
-            raise ConnectionError(f"{err} (a cluster started by `ray start` expects a token: export "
-                                  f"RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token)") from None
+            raise ConnectionError(
+                f"{err} (a cluster started by `ray start` expects a token: export "
+                f"RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token)"
+            ) from None
     else:
         # "local": a new cluster, even where `ray start` left one running on this machine
-        ray.init(address="local", num_cpus=ray_cfg.get("num_cpus"), log_to_driver=True,
-                 include_dashboard=bool(ray_cfg.get("dashboard", True)), dashboard_host="127.0.0.1")
+        ray.init(
+            address="local",
+            num_cpus=ray_cfg.get("num_cpus"),
+            log_to_driver=True,
+            include_dashboard=bool(ray_cfg.get("dashboard", True)),
+            dashboard_host="127.0.0.1",
+        )
     try:
         yield
     finally:
@@ -161,8 +179,12 @@ def _train_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     rank = ctx.get_world_rank()
     # the trainer picks its device and thread count from these, as under torchrun
     os.environ["LOCAL_RANK"] = str(ctx.get_local_rank())
-    for key, value in (("RANK", rank), ("WORLD_SIZE", ctx.get_world_size()),
-                       ("LOCAL_WORLD_SIZE", ctx.get_local_world_size()), ("NODE_RANK", ctx.get_node_rank())):
+    for key, value in (
+        ("RANK", rank),
+        ("WORLD_SIZE", ctx.get_world_size()),
+        ("LOCAL_WORLD_SIZE", ctx.get_local_world_size()),
+        ("NODE_RANK", ctx.get_node_rank()),
+    ):
         os.environ.setdefault(key, str(value))
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(ray.get(config["attempts"].register.remote(rank)))
     if rank == 0 and config["board"] is not None:
@@ -208,8 +230,15 @@ def failure_reason(err: Exception) -> str:
     return f"rank {rank}: {type(failure).__name__}: {last_line(str(failure))}"
 
 
-def launch_trial(spec: Dict[str, Any], reporter: Any, world_size: int, launch: Dict[str, Any], *,
-                 placement: Placement, slot: Optional[BoardSlot] = None) -> Dict[str, Any]:
+def launch_trial(
+    spec: Dict[str, Any],
+    reporter: Any,
+    world_size: int,
+    launch: Dict[str, Any],
+    *,
+    placement: Placement,
+    slot: Optional[BoardSlot] = None,
+) -> Dict[str, Any]:
     """Run ``trainers.loop.worker_entry`` in ``world_size`` Ray Train workers; rank 0's summary.
     The same signature as :func:`orchestrator.launch.launch_local`, plus where the workers go and,
     for a job of a Ray sweep, its ``slot`` on the sweep's progress board."""
@@ -228,22 +257,36 @@ def launch_trial(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
         board, key = (ray.get_actor(slot.board), slot.key) if slot is not None else (None, -1)
         trainer = _trainer_class()(
             _train_worker,
-            train_loop_config={"spec": spec, "reporter": reporter, "cwd": os.getcwd(), "board": board, "key": key,
-                               "attempts": ray.remote(num_cpus=0)(_Attempts).remote()},
+            train_loop_config={
+                "spec": spec,
+                "reporter": reporter,
+                "cwd": os.getcwd(),
+                "board": board,
+                "key": key,
+                "attempts": ray.remote(num_cpus=0)(_Attempts).remote(),
+            },
             scaling_config=ScalingConfig(
-                num_workers=world_size, use_gpu=placement.resource == "GPU",
+                num_workers=world_size,
+                use_gpu=placement.resource == "GPU",
                 resources_per_worker={placement.resource: units},
                 # one node: all on it (as the local launcher would); more: fill nodes in turn
-                placement_strategy="STRICT_PACK" if placement.nodes == 1 else "PACK"),
+                placement_strategy="STRICT_PACK" if placement.nodes == 1 else "PACK",
+            ),
             torch_config=TorchConfig(backend=rt.backend, timeout_s=int(math.ceil(float(rt.timeout_s)))),
             run_config=RunConfig(
                 name=f"trial-{getattr(reporter, 'run_id', None) or uuid.uuid4().hex[:12]}",
                 failure_config=FailureConfig(max_failures=int(launch.get("max_failures", 0))),
                 worker_runtime_env={"env_vars": env} if env else None,
-                callbacks=_accelerator_callbacks(placement.resource)),
+                callbacks=_accelerator_callbacks(placement.resource),
+            ),
         )
-        log.info("trial on Ray: %d worker(s) x {%s: %d}%s", world_size, placement.resource, units,
-                 ", whole nodes" if placement.exclusive else "")
+        log.info(
+            "trial on Ray: %d worker(s) x {%s: %d}%s",
+            world_size,
+            placement.resource,
+            units,
+            ", whole nodes" if placement.exclusive else "",
+        )
         try:
             result = trainer.fit()
         except TrainingFailedError as err:
@@ -264,8 +307,9 @@ def _trainer_class():
 
     class Trainer(TorchTrainer):
         def _create_default_callbacks(self):
-            return [cb for cb in super()._create_default_callbacks()
-                    if type(cb).__name__ != "PlacementGroupCleanerCallback"]
+            return [
+                cb for cb in super()._create_default_callbacks() if type(cb).__name__ != "PlacementGroupCleanerCallback"
+            ]
 
     return Trainer
 

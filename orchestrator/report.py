@@ -10,6 +10,7 @@ only), the quality gate, and the best point with the command that reproduces it.
 Files: ``tuning_report.md``, ``tuning_report.json``, ``objective_<variable>.png`` (the objective
 per candidate value, each repeat a dot) and ``loss_curves.png`` (baseline and finalists).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ REPORT = "tuning_report"
 
 # ----------------------------------------------------------------------------- rendering
 
+
 def _slug(key: str) -> str:
     return re.sub(r"[^\w.\-]+", "_", key.lstrip("+~")).strip("_") or "variable"
 
@@ -37,39 +39,59 @@ def markdown(data: Dict[str, Any]) -> str:
     obj, direction = data["objective"], data["direction"]
     s_word = "T_baseline / T" if direction == "minimize" else "value / value_baseline"
     title = f"Tuning report: {data.get('study') or data['kind']} (sweep {data['sweep']})"
-    lines = [f"# {title}", "",
-             f"- experiment `{data['experiment']}`, {data['kind']} sweep, objective `{obj}` ({direction}), "
-             f"S = {s_word}",
-             f"- repeats per point: {data.get('repeats', 1)}; noise (spread of the baseline's repeats): "
-             f"{100 * data.get('noise', 0.0):.1f}%; a change counts when S >= {data['threshold']:.3f} "
-             f"(max of min_speedup {data['min_speedup']} and 1 + noise) and beats the spread of both points' "
-             f"repeats; quality gate: no divergence, final loss within {data['loss_band']:.0%} of the baseline's",
-             ]
+    lines = [
+        f"# {title}",
+        "",
+        f"- experiment `{data['experiment']}`, {data['kind']} sweep, objective `{obj}` ({direction}), S = {s_word}",
+        f"- repeats per point: {data.get('repeats', 1)}; noise (spread of the baseline's repeats): "
+        f"{100 * data.get('noise', 0.0):.1f}%; a change counts when S >= {data['threshold']:.3f} "
+        f"(max of min_speedup {data['min_speedup']} and 1 + noise) and beats the spread of both points' "
+        f"repeats; quality gate: no divergence, final loss within {data['loss_band']:.0%} of the baseline's",
+    ]
     if data.get("fixed"):
         lines.append(f"- fixed overrides: `{' '.join(data['fixed'])}`")
     t = data.get("trials") or {}
     if t:
-        lines.append(f"- trials: {t.get('launched', 0)} launched, {t.get('reused', 0)} reused from MLflow, "
-                     f"{t.get('pruned', 0)} pruned before launch; {t.get('trial_seconds', 0.0):.1f} trial-seconds")
+        lines.append(
+            f"- trials: {t.get('launched', 0)} launched, {t.get('reused', 0)} reused from MLflow, "
+            f"{t.get('pruned', 0)} pruned before launch; {t.get('trial_seconds', 0.0):.1f} trial-seconds"
+        )
     if data.get("outcome") not in (None, "finished"):
         lines.append(f"- outcome: **{data['outcome']}**")
-    lines += ["", "## Steps", "",
-              "| step | pass | variable | value | n | median objective | spread | S vs baseline | S vs previous best "
-              "| final loss | decision |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Steps",
+        "",
+        "| step | pass | variable | value | n | median objective | spread | S vs baseline | S vs previous best "
+        "| final loss | decision |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in data["rows"]:
         decision = r["decision"].replace("|", "\\|")
         mark = "**" if r.get("adopted") else ""
-        lines.append(f"| {r['step']} | {r.get('pass', '')} | `{r['variable']}` | {mark}`{r['value']}`{mark} | {r['n']} "
-                     f"| {fmt(r['objective'])} | {100 * r['spread']:.1f}% | {fmt(r['s_base'], 3)} "
-                     f"| {fmt(r.get('s_prev'), 3)} | {fmt(r['final_loss'])} | {decision} |")
+        lines.append(
+            f"| {r['step']} | {r.get('pass', '')} | `{r['variable']}` | {mark}`{r['value']}`{mark} | {r['n']} "
+            f"| {fmt(r['objective'])} | {100 * r['spread']:.1f}% | {fmt(r['s_base'], 3)} "
+            f"| {fmt(r.get('s_prev'), 3)} | {fmt(r['final_loss'])} | {decision} |"
+        )
     final = data["final"]
     lines += ["", "## Final config", ""]
     if final.get("assignment"):
         lines += [f"- `{k}={v}`" for k, v in final["assignment"].items()]
-    lines += ["", f"{obj} = {fmt(final.get('objective'))}, S = {fmt(final.get('s_total'), 3)} over the baseline "
-              f"(runs {', '.join(final.get('run_ids') or []) or '-'})", "", "Reproduce it:", "", "```",
-              final["command"], "```", "", "## What helped", ""]
+    lines += [
+        "",
+        f"{obj} = {fmt(final.get('objective'))}, S = {fmt(final.get('s_total'), 3)} over the baseline "
+        f"(runs {', '.join(final.get('run_ids') or []) or '-'})",
+        "",
+        "Reproduce it:",
+        "",
+        "```",
+        final["command"],
+        "```",
+        "",
+        "## What helped",
+        "",
+    ]
     lines += [f"- [x] {h}" for h in data["helped"]] or ["- nothing beat the baseline by more than the threshold"]
     lines += ["", "## What did not", ""]
     lines += [f"- [ ] {h}" for h in data["did_not_help"]] or ["- (every change tried helped)"]
@@ -109,8 +131,16 @@ def _plot_variable(data: Dict[str, Any], key: str, path: Path) -> bool:
             ax.scatter([i] * len(values), values, color=color, alpha=0.5, s=18)
             ax.scatter([i], [median], color=color, marker="_", s=500)
         else:
-            ax.annotate(missing or "-", (i, 0), xycoords=("data", "axes fraction"), xytext=(0, 8),
-                        textcoords="offset points", ha="center", color="tab:red", fontsize=8)
+            ax.annotate(
+                missing or "-",
+                (i, 0),
+                xycoords=("data", "axes fraction"),
+                xytext=(0, 8),
+                textcoords="offset points",
+                ha="center",
+                color="tab:red",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(columns)), [c[0] for c in columns], rotation=20, ha="right", fontsize=8)
     ax.set_xlim(-0.6, len(columns) - 0.4)
     ax.set_ylabel(data["objective"])
@@ -173,14 +203,24 @@ def attach(uri: str, run_id: str, files: List[Path], data: Dict[str, Any]) -> No
     c.set_tag(run_id, "tuning.outcome", str(data.get("outcome", "finished")))
     base = data["rows"][0]["objective"] if data["rows"] else None
     t = data.get("trials") or {}
-    tracking.log_metrics(uri, run_id, {
-        "baseline_objective": base, "best_objective": final.get("objective"), "speedup": final.get("s_total"),
-        "noise": data.get("noise"), "trials_launched": t.get("launched"), "trials_reused": t.get("reused"),
-        "trials_pruned": t.get("pruned"), "trial_seconds": t.get("trial_seconds"),
-    })
+    tracking.log_metrics(
+        uri,
+        run_id,
+        {
+            "baseline_objective": base,
+            "best_objective": final.get("objective"),
+            "speedup": final.get("s_total"),
+            "noise": data.get("noise"),
+            "trials_launched": t.get("launched"),
+            "trials_reused": t.get("reused"),
+            "trials_pruned": t.get("pruned"),
+            "trial_seconds": t.get("trial_seconds"),
+        },
+    )
 
 
 # ----------------------------------------------------------------------------- any sweep, from its trials
+
 
 def parent_runs(uri: str, experiment: str) -> List[Any]:
     """Sweep parent runs of an experiment, newest first."""
@@ -202,8 +242,9 @@ def _assignment(overrides: List[str]) -> "OrderedDict[str, str]":
     return out
 
 
-def from_trials(uri: str, experiment: str, sweep_id: str, objective: str, direction: str,
-                min_speedup: float, loss_band: float) -> Dict[str, Any]:
+def from_trials(
+    uri: str, experiment: str, sweep_id: str, objective: str, direction: str, min_speedup: float, loss_band: float
+) -> Dict[str, Any]:
     """The report of any sweep, read from its trial runs (launch order; the first is the baseline)."""
     runs = results.search(uri, experiment, results.tag_filter(sweep=sweep_id))
     runs.sort(key=lambda r: r.info.start_time)
@@ -218,8 +259,9 @@ def from_trials(uri: str, experiment: str, sweep_id: str, objective: str, direct
         if not p.values:
             last = members[-1]
             p.status = results.status(last) if results.status(last) != tracking.STATUS_OK else "failed"
-            p.reason = last.data.tags.get("trial.reason", "") or (f"objective {objective} not logged"
-                                                                  if finished else "")
+            p.reason = last.data.tags.get("trial.reason", "") or (
+                f"objective {objective} not logged" if finished else ""
+            )
             p.run_ids = [r.info.run_id for r in members]
         p.labels = dict(_assignment(p.overrides))
         points.append(p)
@@ -257,41 +299,79 @@ def from_trials(uri: str, experiment: str, sweep_id: str, objective: str, direct
             (helped if s_base is not None and s_base >= threshold else did_not).append(text)
         elif i > 0 and len(changed) == 1:
             did_not.append(f"{changed[0]}={p.labels[changed[0]]}: {why}")
-        rows.append({
-            "step": i, "pass": "", "variable": "(baseline)" if i == 0 else ", ".join(changed) or "(same)",
-            "value": " ".join(f"{k}={p.labels.get(k, '')}" for k in (keys if i == 0 else changed)),
-            "status": p.status, "n": len(p.values), "objective": p.value, "values": list(p.values),
-            "spread": p.spread, "s_base": s_base, "s_prev": None, "reference": None, "final_loss": p.final_loss,
-            "decision": decision, "adopted": p is best, "run_ids": list(p.run_ids), "config_hash": p.config_hash,
-            "overrides": list(p.overrides), "labels": dict(p.labels),
-        })
+        rows.append(
+            {
+                "step": i,
+                "pass": "",
+                "variable": "(baseline)" if i == 0 else ", ".join(changed) or "(same)",
+                "value": " ".join(f"{k}={p.labels.get(k, '')}" for k in (keys if i == 0 else changed)),
+                "status": p.status,
+                "n": len(p.values),
+                "objective": p.value,
+                "values": list(p.values),
+                "spread": p.spread,
+                "s_base": s_base,
+                "s_prev": None,
+                "reference": None,
+                "final_loss": p.final_loss,
+                "decision": decision,
+                "adopted": p is best,
+                "run_ids": list(p.run_ids),
+                "config_hash": p.config_hash,
+                "overrides": list(p.overrides),
+                "labels": dict(p.labels),
+            }
+        )
     # per-variable plots want one row per value: the points that change only this variable
     var_rows = []
     for key in keys:
         for r, p in zip(rows, points):
             if r["step"] == 0 or r["variable"] == key:
-                var_rows.append({**r, "variable": key, "value": p.labels.get(key, ""),
-                                 "adopted": r["adopted"] and r["step"] != 0})
+                var_rows.append(
+                    {**r, "variable": key, "value": p.labels.get(key, ""), "adopted": r["adopted"] and r["step"] != 0}
+                )
     final_p = best or baseline
     pruned = sum(results.status(r) in ("infeasible", "unsupported_op") for r in runs)
     curves = OrderedDict([("baseline", baseline.losses.get(baseline.run_ids[0], []) if baseline.values else [])])
     if best is not None and best is not baseline:
         curves["best: " + " ".join(f"{k}={best.labels.get(k)}" for k in keys)] = best.losses.get(best.run_ids[0], [])
     return {
-        "kind": "grid", "study": None, "sweep": sweep_id, "experiment": experiment, "objective": objective,
-        "direction": direction, "repeats": max((len(p.values) for p in points), default=1),
-        "min_speedup": min_speedup, "loss_band": loss_band, "noise": noise, "threshold": threshold,
+        "kind": "grid",
+        "study": None,
+        "sweep": sweep_id,
+        "experiment": experiment,
+        "objective": objective,
+        "direction": direction,
+        "repeats": max((len(p.values) for p in points), default=1),
+        "min_speedup": min_speedup,
+        "loss_band": loss_band,
+        "noise": noise,
+        "threshold": threshold,
         "outcome": "finished" if best is not None else "no_eligible_point",
-        "variables": [{"key": k, "values": list(OrderedDict.fromkeys(p.labels.get(k, '') for p in points))}
-                      for k in keys],
-        "fixed": fixed, "rows": rows, "variable_rows": var_rows,
-        "final": {"assignment": {k: final_p.labels.get(k, "") for k in keys}, "overrides": final_p.overrides,
-                  "command": results.command(final_p.overrides), "objective": final_p.value,
-                  "s_total": results.speedup(baseline.value, final_p.value, direction),
-                  "run_ids": list(final_p.run_ids), "config_hash": final_p.config_hash},
-        "helped": helped, "did_not_help": did_not, "curves": curves,
-        "trials": {"launched": len(runs) - pruned, "reused": 0, "pruned": pruned,
-                   "trial_seconds": results.run_seconds(runs)},
+        "variables": [
+            {"key": k, "values": list(OrderedDict.fromkeys(p.labels.get(k, "") for p in points))} for k in keys
+        ],
+        "fixed": fixed,
+        "rows": rows,
+        "variable_rows": var_rows,
+        "final": {
+            "assignment": {k: final_p.labels.get(k, "") for k in keys},
+            "overrides": final_p.overrides,
+            "command": results.command(final_p.overrides),
+            "objective": final_p.value,
+            "s_total": results.speedup(baseline.value, final_p.value, direction),
+            "run_ids": list(final_p.run_ids),
+            "config_hash": final_p.config_hash,
+        },
+        "helped": helped,
+        "did_not_help": did_not,
+        "curves": curves,
+        "trials": {
+            "launched": len(runs) - pruned,
+            "reused": 0,
+            "pruned": pruned,
+            "trial_seconds": results.run_seconds(runs),
+        },
     }
 
 
@@ -324,8 +404,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     data = _stored(uri, parent.info.run_id)
     if data is None:
         try:
-            data = from_trials(uri, args.experiment, sweep_id, args.objective, args.direction,
-                               args.min_speedup, args.loss_band)
+            data = from_trials(
+                uri, args.experiment, sweep_id, args.objective, args.direction, args.min_speedup, args.loss_band
+            )
         except LookupError as err:
             print(f"error: --sweep={sweep_id}: {err}", file=sys.stderr)
             return 2

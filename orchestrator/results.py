@@ -5,6 +5,7 @@ OVAT sweeper (``sweeps.ovat``).
 A *point* is one config (one ``trial.config_hash``) and the finished runs measuring it; its value
 is the median of their objective, its spread ``(max - min) / median`` over the repeats.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,13 @@ def search(uri: str, experiment: str, filter_string: str = "", trials_only: bool
         return []
     runs, token = [], None
     while True:
-        page = c.search_runs([exp.experiment_id], filter_string=filter_string, max_results=5000,
-                             order_by=["attributes.start_time DESC"], page_token=token)
+        page = c.search_runs(
+            [exp.experiment_id],
+            filter_string=filter_string,
+            max_results=5000,
+            order_by=["attributes.start_time DESC"],
+            page_token=token,
+        )
         runs.extend(page)
         token = page.token
         if not token:
@@ -102,6 +108,7 @@ def spread(values: List[float]) -> float:
 @dataclass
 class Point:
     """One config and what is known of it: its finished runs (the repeats) or why it did not run."""
+
     config_hash: Optional[str]
     overrides: List[str] = field(default_factory=list)
     status: str = "pending"  # pending | finished | a failed status (infeasible, crash, ...)

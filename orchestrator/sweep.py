@@ -10,6 +10,7 @@ see :func:`child_tags`) and afterwards logs the sweep's progress on the parent: 
 A job may run in another process than the sweep (a Ray task): the callback travels there with
 Hydra's context, and the trial reads its sweep from that process's environment.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -105,17 +106,20 @@ def start_sweep(config: DictConfig) -> Dict[str, str]:
     c.log_batch(run.info.run_id, params=[Param(k[:250], v[:6000]) for k, v in sorted(params.items())])
     c.log_text(run.info.run_id, "\n".join(overrides) + "\n", "overrides.txt")
     log.info("sweep %s: parent run %s", sweep_id, run.info.run_id)
-    return {"id": sweep_id, "parent_run_id": run.info.run_id, "uri": uri, "experiment": experiment,
-            "experiment_id": exp}
+    return {
+        "id": sweep_id,
+        "parent_run_id": run.info.run_id,
+        "uri": uri,
+        "experiment": experiment,
+        "experiment_id": exp,
+    }
 
 
 def progress(sweep: Dict[str, str]) -> Dict[str, int]:
     """Trials of the sweep so far, by state, counted from their runs (whichever process ran them)."""
     c = tracking.client(sweep["uri"])
-    runs = c.search_runs([sweep["experiment_id"]], filter_string=f"tags.sweep = '{sweep['id']}'",
-                         max_results=50000)
-    statuses = [r.data.tags.get("trial.status", "running") for r in runs
-                if r.info.run_id != sweep["parent_run_id"]]
+    runs = c.search_runs([sweep["experiment_id"]], filter_string=f"tags.sweep = '{sweep['id']}'", max_results=50000)
+    statuses = [r.data.tags.get("trial.status", "running") for r in runs if r.info.run_id != sweep["parent_run_id"]]
     return {
         "trials_done": sum(s == tracking.STATUS_OK for s in statuses),
         "trials_failed": sum(s in tracking.FAILED_STATUSES for s in statuses),
@@ -125,8 +129,9 @@ def progress(sweep: Dict[str, str]) -> Dict[str, int]:
 
 def log_progress(sweep: Dict[str, str]) -> Dict[str, int]:
     counts = progress(sweep)
-    tracking.log_metrics(sweep["uri"], sweep["parent_run_id"], counts,
-                         step=counts["trials_done"] + counts["trials_failed"])
+    tracking.log_metrics(
+        sweep["uri"], sweep["parent_run_id"], counts, step=counts["trials_done"] + counts["trials_failed"]
+    )
     return counts
 
 
@@ -163,4 +168,3 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if self.sweep is not None and not self.sweep.get("discarded"):
             end_sweep(self.sweep)
-

@@ -5,6 +5,7 @@ working directory (``sqlite:///mlruns.db``) whose experiments keep their artifac
 ``./mlartifacts`` beside it. MLflow is imported lazily: composing or validating a config never
 touches it, so a rejected config leaves no run behind.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,7 +34,7 @@ def resolve_uri(tracking: DictConfig | Dict[str, Any]) -> str:
 def default_artifact_location(uri: str) -> Optional[str]:
     """``mlartifacts/`` next to a sqlite file; servers and file stores choose their own."""
     if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").resolve().as_uri()
+        return (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").resolve().as_uri()
     return None
 
 
@@ -161,8 +162,12 @@ class MlflowReporter:
             self._logged_up_to = max((m.step for m in history), default=-1)
         rows = [r for r in rows if int(r["step"]) > self._logged_up_to]
         now = int(time.time() * 1000)
-        metrics = [Metric(k, float(v), now, int(r["step"])) for r in rows for k, v in r.items()
-                   if k != "step" and v is not None]
+        metrics = [
+            Metric(k, float(v), now, int(r["step"]))
+            for r in rows
+            for k, v in r.items()
+            if k != "step" and v is not None
+        ]
         for i in range(0, len(metrics), 1000):  # MLflow's per-call limit
             self._mlflow().log_batch(self.run_id, metrics=metrics[i : i + 1000])
         if rows:

@@ -7,6 +7,7 @@ A composed config is resolved once (:func:`resolve`: chip resolved, rules checke
 out, launch path decided) into a :class:`ResolvedTrial`; the steps after it take their sections
 and the layout from there instead of working them out again.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,6 +42,7 @@ class ResolvedTrial:
     every rule checked, its ``layout`` (``parallel.dp=-1`` filled), the ``nodes`` it spans, and
     its launch path: ``path`` is ``local`` (torch's elastic launcher on this node) or ``ray``,
     with ``placement`` saying how its workers ask Ray for devices."""
+
     cfg: DictConfig
     layout: Layout
     nodes: int
@@ -63,8 +65,7 @@ def resolve(cfg: DictConfig, launcher: Optional[str] = None) -> ResolvedTrial:
     if errors:
         raise ConfigError(errors)
     to_ray = launcher == "ray" or (launcher is None and ray_trial.goes_to_ray(nodes, cfg.launch.ray))
-    return ResolvedTrial(cfg, lay, nodes, "ray" if to_ray else "local",
-                         Placement.of(cfg.chip, cfg.launch.ray, nodes))
+    return ResolvedTrial(cfg, lay, nodes, "ray" if to_ray else "local", Placement.of(cfg.chip, cfg.launch.ray, nodes))
 
 
 def prepare(cfg: DictConfig) -> DictConfig:
@@ -100,8 +101,14 @@ def trial_tags(cfg: DictConfig, lay: Optional[Layout] = None) -> Dict[str, str]:
     return tags
 
 
-def record_infeasible(cfg: DictConfig, overrides: Iterable[str], errors: List[str], status: str = "infeasible",
-                      preflight: Optional[Dict[str, Any]] = None, lay: Optional[Layout] = None) -> str:
+def record_infeasible(
+    cfg: DictConfig,
+    overrides: Iterable[str],
+    errors: List[str],
+    status: str = "infeasible",
+    preflight: Optional[Dict[str, Any]] = None,
+    lay: Optional[Layout] = None,
+) -> str:
     """A trial that cannot run still gets a run, with its status and the reasons; not launched.
     ``lay``: its layout when already worked out."""
     tags = trial_tags(cfg, lay) if not OmegaConf.is_missing(cfg.chip, "name") else {}
@@ -116,15 +123,19 @@ def record_infeasible(cfg: DictConfig, overrides: Iterable[str], errors: List[st
 def _log_preflight(uri: str, run_id: str, report: Dict[str, Any]) -> None:
     tracking.client(uri).log_text(run_id, json.dumps(report, indent=1, default=str), "preflight.json")
     step = report.get("step") or {}
-    tracking.log_metrics(uri, run_id, {
-        "planned_mem_gb": report.get("planned_mem_gb"),
-        "planned_step_time_s": step.get("step_time_s"),
-        "planned_mfu": step.get("mfu"),
-        "planned_bubble_fraction": step.get("bubble_fraction"),
-        "planned_comm_share": step.get("comm_share"),
-        "op_coverage": (report.get("ops") or {}).get("coverage"),
-        "op_replacement_rate": (report.get("ops") or {}).get("replacement_rate"),
-    })
+    tracking.log_metrics(
+        uri,
+        run_id,
+        {
+            "planned_mem_gb": report.get("planned_mem_gb"),
+            "planned_step_time_s": step.get("step_time_s"),
+            "planned_mfu": step.get("mfu"),
+            "planned_bubble_fraction": step.get("bubble_fraction"),
+            "planned_comm_share": step.get("comm_share"),
+            "op_coverage": (report.get("ops") or {}).get("coverage"),
+            "op_replacement_rate": (report.get("ops") or {}).get("replacement_rate"),
+        },
+    )
 
 
 def _preflight(cfg: DictConfig) -> Dict[str, Any]:
@@ -149,11 +160,19 @@ def check(cfg: DictConfig) -> Dict[str, Any]:
     try:
         resolve(cfg)
     except ConfigError as err:
-        return {"status": "infeasible", "reasons": err.errors, "preflight": None,
-                "config_hash": tracking.config_hash(cfg)}
+        return {
+            "status": "infeasible",
+            "reasons": err.errors,
+            "preflight": None,
+            "config_hash": tracking.config_hash(cfg),
+        }
     report = _preflight(cfg)
-    return {"status": "ready" if report["feasible"] else _infeasible_status(report), "reasons": report["reasons"],
-            "preflight": report, "config_hash": tracking.config_hash(cfg)}
+    return {
+        "status": "ready" if report["feasible"] else _infeasible_status(report),
+        "reasons": report["reasons"],
+        "preflight": report,
+        "config_hash": tracking.config_hash(cfg),
+    }
 
 
 @dataclass
@@ -161,6 +180,7 @@ class Trial:
     """A trial past validation and preflight: recorded in MLflow (a run with status running) and
     ready to launch with ``spec``, or already ended before any launch (``spec`` is None, the
     result says infeasible or unsupported_op)."""
+
     resolved: ResolvedTrial
     overrides: List[str]
     result: Dict[str, Any]
@@ -180,8 +200,9 @@ class Trial:
 LaunchFn = Callable[[TrialSpec, Any, int, Dict[str, Any]], Dict[str, Any]]
 
 
-def start(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None,
-          launcher: Optional[str] = None) -> Trial:
+def start(
+    cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None, launcher: Optional[str] = None
+) -> Trial:
     """Validate, preflight and record one trial, up to the launch; both launch paths share it.
     ``launcher`` decides the launch path as in :func:`resolve`.
 
@@ -223,8 +244,14 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
     if trial.spec is None:
         return result
     launch = launch or launch_path(trial.resolved)
-    log.info("trial %s on %s%s: %s, %d process(es)", result["run_id"] or "(untracked)", chip.name,
-             " (emulated)" if chip.emulate else "", f"dp{lay.dp}tp{lay.tp}pp{lay.pp}", lay.world_size)
+    log.info(
+        "trial %s on %s%s: %s, %d process(es)",
+        result["run_id"] or "(untracked)",
+        chip.name,
+        " (emulated)" if chip.emulate else "",
+        f"dp{lay.dp}tp{lay.tp}pp{lay.pp}",
+        lay.world_size,
+    )
     try:
         summary = launch(trial.spec, reporter, lay.world_size, trial.resolved.launch_section())
         result.update(status=tracking.STATUS_OK, summary=summary)
@@ -248,8 +275,13 @@ def launch_path(resolved: ResolvedTrial, slot: Optional[BoardSlot] = None) -> La
     return launch_local
 
 
-def run(cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None,
-        launcher: Optional[str] = None, slot: Optional[BoardSlot] = None) -> Dict[str, Any]:
+def run(
+    cfg: DictConfig,
+    overrides: Iterable[str],
+    progress: Optional[bool] = None,
+    launcher: Optional[str] = None,
+    slot: Optional[BoardSlot] = None,
+) -> Dict[str, Any]:
     """Validate, launch and record one trial; returns a result dict with status and run id.
 
     ``launcher``: None chooses (see :func:`resolve`), "local" or "ray" forces a path; ``slot``:

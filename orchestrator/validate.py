@@ -4,6 +4,7 @@
 (``parallel.tp=3 does not divide model.n_heads=8``). Per-key types and unknown keys are Hydra's
 job (the dataclass schemas); what is here needs more than one key, the chip, or the disk.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,15 +37,42 @@ CHOICES = {
     "trainer.fault.inject": ("nan", "overflow"),
 }
 POSITIVE = (
-    "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads", "model.d_ff", "model.max_seq_len",
-    "trainer.steps", "trainer.global_batch", "trainer.micro_batch", "trainer.seq_len", "trainer.lr",
-    "trainer.log_every", "comm.bucket_mb", "comm.buffsize_mb", "comm.nccl_buffsize_mb", "comm.timeout_s", "parallel.tp", "parallel.pp",
-    "parallel.microbatches", "parallel.virtual_stages", "launch.nnodes", "precision.init_scale",
+    "model.vocab_size",
+    "model.d_model",
+    "model.n_layers",
+    "model.n_heads",
+    "model.d_ff",
+    "model.max_seq_len",
+    "trainer.steps",
+    "trainer.global_batch",
+    "trainer.micro_batch",
+    "trainer.seq_len",
+    "trainer.lr",
+    "trainer.log_every",
+    "comm.bucket_mb",
+    "comm.buffsize_mb",
+    "comm.nccl_buffsize_mb",
+    "comm.timeout_s",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.microbatches",
+    "parallel.virtual_stages",
+    "launch.nnodes",
+    "precision.init_scale",
     "precision.growth_interval",
 )
-NON_NEGATIVE = ("trainer.warmup_steps", "trainer.lr_warmup_steps", "trainer.weight_decay", "trainer.grad_clip",
-                "trainer.checkpoint_every", "trainer.eval_every", "launch.max_failures", "data.num_workers",
-                "launch.master_port", "precision.monitor")
+NON_NEGATIVE = (
+    "trainer.warmup_steps",
+    "trainer.lr_warmup_steps",
+    "trainer.weight_decay",
+    "trainer.grad_clip",
+    "trainer.checkpoint_every",
+    "trainer.eval_every",
+    "launch.max_failures",
+    "data.num_workers",
+    "launch.master_port",
+    "precision.monitor",
+)
 
 
 @dataclass(frozen=True)
@@ -89,28 +117,38 @@ def _knob_rules(cfg: DictConfig, err) -> None:
     if pr.param_dtype in sixteen and pr.compute_dtype != pr.param_dtype:
         # 16-bit parameters compute in their own dtype: fp32 compute would upcast every weight
         # at every use, and bf16 <-> fp16 would round each weight into the other format
-        err(f"precision.param_dtype={pr.param_dtype} needs precision.compute_dtype={pr.param_dtype} "
-            f"(got {pr.compute_dtype}); or set precision.param_dtype=fp32")
+        err(
+            f"precision.param_dtype={pr.param_dtype} needs precision.compute_dtype={pr.param_dtype} "
+            f"(got {pr.compute_dtype}); or set precision.param_dtype=fp32"
+        )
     unknown = [op for op in pr.fp32_ops if op not in FP32_OPS]
     if unknown:
         err(f"precision.fp32_ops: unknown {', '.join(map(str, unknown))} (known: {', '.join(FP32_OPS)})")
     if m.attn_impl == "fused" and pr.compute_dtype in sixteen and "softmax" not in pr.fp32_ops:
-        err(f"precision.fp32_ops={list(pr.fp32_ops)} leaves out softmax, but model.attn_impl=fused keeps its "
-            f"softmax statistics in fp32 inside the kernel; list softmax or set model.attn_impl=decomposed")
+        err(
+            f"precision.fp32_ops={list(pr.fp32_ops)} leaves out softmax, but model.attn_impl=fused keeps its "
+            f"softmax statistics in fp32 inside the kernel; list softmax or set model.attn_impl=decomposed"
+        )
     if not c.overlap and c.compression != "none":
-        err(f"comm.overlap=false with comm.compression={c.compression}: compression runs as a DDP communication "
-            f"hook during the backward pass; set comm.overlap=true or comm.compression=none")
+        err(
+            f"comm.overlap=false with comm.compression={c.compression}: compression runs as a DDP communication "
+            f"hook during the backward pass; set comm.overlap=true or comm.compression=none"
+        )
     if t.eval_every > 0:
         if t.eval_batches < 1:
             err(f"trainer.eval_batches={t.eval_batches}: must be positive when trainer.eval_every>0")
         if d.name != "synthetic" and not d.val_fraction > 0:
-            err(f"trainer.eval_every={t.eval_every} needs a held-out split: data.val_fraction={d.val_fraction} "
-                f"on data={d.name}")
+            err(
+                f"trainer.eval_every={t.eval_every} needs a held-out split: data.val_fraction={d.val_fraction} "
+                f"on data={d.name}"
+            )
         elif d.name == "memmap" and d.path and Path(d.path).expanduser().is_file():
             held_out = int(Path(d.path).expanduser().stat().st_size // 2 * d.val_fraction)
             if held_out < t.seq_len + 1:
-                err(f"data.val_fraction={d.val_fraction} of data.path={d.path} holds {held_out} tokens, fewer than "
-                    f"trainer.seq_len+1={t.seq_len + 1}: trainer.eval_every has nothing to evaluate")
+                err(
+                    f"data.val_fraction={d.val_fraction} of data.path={d.path} holds {held_out} tokens, fewer than "
+                    f"trainer.seq_len+1={t.seq_len + 1}: trainer.eval_every has nothing to evaluate"
+                )
 
 
 def validate(cfg: DictConfig) -> List[str]:
@@ -134,9 +172,19 @@ def validate(cfg: DictConfig) -> List[str]:
         err(f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 0.5)")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         err(f"trainer.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
-    if errors and any(k.split("=")[0] in ("parallel.tp", "parallel.pp", "model.n_heads", "model.n_layers",
-                                          "trainer.micro_batch", "trainer.global_batch", "launch.nnodes")
-                      for k in errors):
+    if errors and any(
+        k.split("=")[0]
+        in (
+            "parallel.tp",
+            "parallel.pp",
+            "model.n_heads",
+            "model.n_layers",
+            "trainer.micro_batch",
+            "trainer.global_batch",
+            "launch.nnodes",
+        )
+        for k in errors
+    ):
         return errors  # the arithmetic below divides by these
 
     # model shape
@@ -174,33 +222,47 @@ def validate(cfg: DictConfig) -> List[str]:
     if rem:
         err(f"trainer.global_batch={t.global_batch} is not divisible by parallel.dp={lay.dp}")
     elif lay.pp == 1 and per_replica % int(t.micro_batch):
-        err(f"trainer.global_batch={t.global_batch} / parallel.dp={lay.dp} = {per_replica} is not a multiple of "
-            f"trainer.micro_batch={t.micro_batch}")
+        err(
+            f"trainer.global_batch={t.global_batch} / parallel.dp={lay.dp} = {per_replica} is not a multiple of "
+            f"trainer.micro_batch={t.micro_batch}"
+        )
     if lay.pp == 1 and int(p.microbatches) != 1:
-        err(f"parallel.microbatches={p.microbatches} applies to a pipeline (parallel.pp>1); without one, "
-            f"gradient accumulation is trainer.global_batch/parallel.dp/trainer.micro_batch: set it to 1")
+        err(
+            f"parallel.microbatches={p.microbatches} applies to a pipeline (parallel.pp>1); without one, "
+            f"gradient accumulation is trainer.global_batch/parallel.dp/trainer.micro_batch: set it to 1"
+        )
     if lay.pp > 1:
         # the pipeline splits each replica's batch into parallel.microbatches itself
         if p.microbatches < lay.pp:
             err(f"parallel.microbatches={p.microbatches} is below parallel.pp={lay.pp}: the pipeline never fills")
         if not rem and per_replica % p.microbatches:
-            err(f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
-                f"trainer.global_batch/parallel.dp={per_replica}")
+            err(
+                f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
+                f"trainer.global_batch/parallel.dp={per_replica}"
+            )
         if p.schedule == "interleaved_1f1b" and p.microbatches % lay.pp:
-            err(f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={lay.pp} "
-                f"for parallel.schedule=interleaved_1f1b")
+            err(
+                f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={lay.pp} "
+                f"for parallel.schedule=interleaved_1f1b"
+            )
         if p.schedule == "interleaved_1f1b" and p.virtual_stages < 2:
-            err(f"parallel.virtual_stages={p.virtual_stages}: parallel.schedule=interleaved_1f1b needs at least "
-                f"2 stages per rank")
+            err(
+                f"parallel.virtual_stages={p.virtual_stages}: parallel.schedule=interleaved_1f1b needs at least "
+                f"2 stages per rank"
+            )
         stages = lay.pp * rules.stages_per_rank(lay.pp, p.schedule, p.virtual_stages)
         if stages > m.n_layers >= lay.pp:
             err(f"parallel.pp={lay.pp} x stages per rank = {stages} stages exceeds model.n_layers={m.n_layers}")
         if m.tie_embeddings:
-            err(f"model.tie_embeddings=true with parallel.pp={lay.pp}: the embedding and the head sit on "
-                f"different stages; set model.tie_embeddings=false")
+            err(
+                f"model.tie_embeddings=true with parallel.pp={lay.pp}: the embedding and the head sit on "
+                f"different stages; set model.tie_embeddings=false"
+            )
     if c.compression != "none" and (lay.dp == 1 or lay.tp > 1 or p.dp_shard != "ddp"):
-        err(f"comm.compression={c.compression} applies to DDP gradient all-reduces: it needs parallel.dp>1, "
-            f"parallel.tp=1 and parallel.dp_shard=ddp")
+        err(
+            f"comm.compression={c.compression} applies to DDP gradient all-reduces: it needs parallel.dp>1, "
+            f"parallel.tp=1 and parallel.dp_shard=ddp"
+        )
     if p.sequence_parallel and lay.tp == 1:
         err("parallel.sequence_parallel=true needs parallel.tp>1")
 
@@ -221,8 +283,10 @@ def validate(cfg: DictConfig) -> List[str]:
     visible = chips.visible_devices(chip) if nodes == 1 else None
     cap = visible if visible is not None else int(chip.devices_per_node)
     if not why and per_node > cap:
-        err(f"parallel: dp*tp*pp={lay.world_size} needs {per_node} devices per node, chip={chip.name} has {cap} "
-            f"on each of launch.nnodes={cfg.launch.nnodes}")
+        err(
+            f"parallel: dp*tp*pp={lay.world_size} needs {per_node} devices per node, chip={chip.name} has {cap} "
+            f"on each of launch.nnodes={cfg.launch.nnodes}"
+        )
     if t.fault.kill_rank >= lay.world_size:
         err(f"trainer.fault.kill_rank={t.fault.kill_rank} is not a rank of a {lay.world_size}-process trial")
     if t.fault.nan_layer >= m.n_layers:

@@ -18,6 +18,7 @@ already finished (``hydra.sweeper.resume``) and launches only the missing repeat
 The sweep's parent run (``orchestrator.sweep``) gets the tuning report: ``tuning_report.md``,
 ``tuning_report.json`` and PNG plots, also written to the sweep directory.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,13 @@ from orchestrator.results import Point
 log = logging.getLogger("orchestrator")
 PREFIX = "hydra.sweeper"
 # metrics whose better direction is known: True when lower is better
-LOWER_IS_BETTER = {"step_time_median_s": True, "peak_mem_gb": True, "final_loss": True,
-                   "tokens_per_s_median": False, "mfu": False}
+LOWER_IS_BETTER = {
+    "step_time_median_s": True,
+    "peak_mem_gb": True,
+    "final_loss": True,
+    "tokens_per_s_median": False,
+    "mfu": False,
+}
 
 
 class StudyError(ValueError):
@@ -99,8 +105,10 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
         key = ov.get_key_element()
         if ov.is_sweep_override():
             if not ov.is_discrete_sweep():
-                errors.append(f"{ov.input_line}: the ovat sweeper takes a list of candidates (a,b,c), "
-                              f"not a {ov.value_type.name.lower()} sweep")
+                errors.append(
+                    f"{ov.input_line}: the ovat sweeper takes a list of candidates (a,b,c), "
+                    f"not a {ov.value_type.name.lower()} sweep"
+                )
                 continue
             variables[key] = list(ov.sweep_string_iterator())
         else:
@@ -109,17 +117,27 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
     for key, values in list(variables.items()):
         unique = list(OrderedDict.fromkeys(values))
         if len(unique) < 2:
-            errors.append(f"{PREFIX}.variables.{key}: needs at least two candidates (the first is the baseline), "
-                          f"got {values}")
+            errors.append(
+                f"{PREFIX}.variables.{key}: needs at least two candidates (the first is the baseline), got {values}"
+            )
         variables[key] = unique
     if not variables and not errors:
-        errors.append(f"{PREFIX}.variables: the study has no variables; give them in a +sweep preset or as "
-                      "KEY=a,b,c on the command line")
-    study = Study(name=name, variables=variables, fixed=fixed,
-                  objective=str(spec.get("objective") or ""), direction=str(spec.get("direction")),
-                  repeats=int(spec.get("repeats", 2)), min_speedup=float(spec.get("min_speedup", 1.0)),
-                  loss_band=float(spec.get("loss_band", 0.05)), passes=int(spec.get("passes", 1)),
-                  resume=bool(spec.get("resume", True)))
+        errors.append(
+            f"{PREFIX}.variables: the study has no variables; give them in a +sweep preset or as "
+            "KEY=a,b,c on the command line"
+        )
+    study = Study(
+        name=name,
+        variables=variables,
+        fixed=fixed,
+        objective=str(spec.get("objective") or ""),
+        direction=str(spec.get("direction")),
+        repeats=int(spec.get("repeats", 2)),
+        min_speedup=float(spec.get("min_speedup", 1.0)),
+        loss_band=float(spec.get("loss_band", 0.05)),
+        passes=int(spec.get("passes", 1)),
+        resume=bool(spec.get("resume", True)),
+    )
     if not study.objective:
         errors.append(f"{PREFIX}.objective: empty; name a metric every trial logs (e.g. step_time_median_s)")
     if study.direction not in results.DIRECTIONS:
@@ -131,14 +149,19 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
     if study.min_speedup < 1.0:
         errors.append(f"{PREFIX}.min_speedup={study.min_speedup}: must be at least 1.0 (a speedup S >= 1)")
     if study.loss_band <= 0:
-        errors.append(f"{PREFIX}.loss_band={study.loss_band}: must be above 0 "
-                      "(a fraction of the baseline's final loss)")
+        errors.append(
+            f"{PREFIX}.loss_band={study.loss_band}: must be above 0 (a fraction of the baseline's final loss)"
+        )
     if errors:
         raise StudyError(errors)
     expected = LOWER_IS_BETTER.get(study.objective)
     if expected is not None and expected != (study.direction == "minimize"):
-        log.warning("ovat: hydra.sweeper.direction=%s for %s, which is better %s: is that what you mean?",
-                    study.direction, study.objective, "lower" if expected else "higher")
+        log.warning(
+            "ovat: hydra.sweeper.direction=%s for %s, which is better %s: is that what you mean?",
+            study.direction,
+            study.objective,
+            "lower" if expected else "higher",
+        )
     return study
 
 
@@ -237,8 +260,9 @@ class Runner:
             if missing > 0:
                 need[id(p)] = missing
             elif p.status == tracking.STATUS_OK:
-                log.info("ovat: %s already measured in MLflow (%d runs), not run again", _label(p.labels),
-                         len(p.run_ids))
+                log.info(
+                    "ovat: %s already measured in MLflow (%d runs), not run again", _label(p.labels), len(p.run_ids)
+                )
         batch: List[List[str]] = []
         owners: List[Point] = []
         for r in range(self.study.repeats):
@@ -259,8 +283,9 @@ class Runner:
                 self._fail(p, errors.get(id(p)))
 
     def _fail(self, p: Point, job_error: Optional[str]) -> None:
-        runs = results.search(self.uri, self.experiment,
-                              results.tag_filter(trial__config_hash=p.config_hash, sweep=self.info["id"]))
+        runs = results.search(
+            self.uri, self.experiment, results.tag_filter(trial__config_hash=p.config_hash, sweep=self.info["id"])
+        )
         failed = [r for r in runs if results.status(r) != tracking.STATUS_OK]
         if failed:
             p.status = results.status(failed[0])
@@ -288,26 +313,65 @@ def _label(assignment: Dict[str, str]) -> str:
     return " ".join(f"{k}={v}" for k, v in assignment.items())
 
 
-def _row(step: int, pass_: int, variable: str, value: str, p: Point, baseline: Point, incumbent: Point,
-         study: Study, decision: str, adopted: bool) -> Dict[str, Any]:
+def _row(
+    step: int,
+    pass_: int,
+    variable: str,
+    value: str,
+    p: Point,
+    baseline: Point,
+    incumbent: Point,
+    study: Study,
+    decision: str,
+    adopted: bool,
+) -> Dict[str, Any]:
     return {
-        "step": step, "pass": pass_, "variable": variable, "value": value, "status": p.status,
-        "n": len(p.values), "objective": p.value, "values": list(p.values), "spread": p.spread,
+        "step": step,
+        "pass": pass_,
+        "variable": variable,
+        "value": value,
+        "status": p.status,
+        "n": len(p.values),
+        "objective": p.value,
+        "values": list(p.values),
+        "spread": p.spread,
         "s_base": results.speedup(baseline.value, p.value, study.direction),
         "s_prev": results.speedup(incumbent.value, p.value, study.direction),
-        "reference": incumbent.value, "reference_values": list(incumbent.values),
-        "reference_label": incumbent.labels.get(variable), "final_loss": p.final_loss, "decision": decision,
+        "reference": incumbent.value,
+        "reference_values": list(incumbent.values),
+        "reference_label": incumbent.labels.get(variable),
+        "final_loss": p.final_loss,
+        "decision": decision,
         "adopted": adopted,
-        "run_ids": list(p.run_ids), "config_hash": p.config_hash, "overrides": list(p.overrides),
+        "run_ids": list(p.run_ids),
+        "config_hash": p.config_hash,
+        "overrides": list(p.overrides),
     }
 
 
 def _skip_row(step: int, pass_: int, variable: str, why: str) -> Dict[str, Any]:
-    return {"step": step, "pass": pass_, "variable": variable, "value": "(every candidate)", "status": "skipped",
-            "n": 0, "objective": None, "values": [], "spread": 0.0, "s_base": None, "s_prev": None,
-            "reference": None, "reference_values": [], "reference_label": None, "final_loss": None,
-            "decision": f"skipped, no effect on the incumbent: {why}", "adopted": False, "run_ids": [],
-            "config_hash": None, "overrides": []}
+    return {
+        "step": step,
+        "pass": pass_,
+        "variable": variable,
+        "value": "(every candidate)",
+        "status": "skipped",
+        "n": 0,
+        "objective": None,
+        "values": [],
+        "spread": 0.0,
+        "s_base": None,
+        "s_prev": None,
+        "reference": None,
+        "reference_values": [],
+        "reference_label": None,
+        "final_loss": None,
+        "decision": f"skipped, no effect on the incumbent: {why}",
+        "adopted": False,
+        "run_ids": [],
+        "config_hash": None,
+        "overrides": [],
+    }
 
 
 def descend(study: Study, runner: Runner) -> Dict[str, Any]:
@@ -326,17 +390,35 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
     threshold = max(study.min_speedup, 1.0 + noise)
     incumbent = baseline
     finalists: List[Tuple[str, Point]] = [("baseline", baseline)]
-    rows.append(_row(0, 0, "(baseline)", _label(current), baseline, baseline, baseline, study,
-                     "baseline" if baseline.status == tracking.STATUS_OK else f"{baseline.status}: {baseline.reason}",
-                     False))
+    rows.append(
+        _row(
+            0,
+            0,
+            "(baseline)",
+            _label(current),
+            baseline,
+            baseline,
+            baseline,
+            study,
+            "baseline" if baseline.status == tracking.STATUS_OK else f"{baseline.status}: {baseline.reason}",
+            False,
+        )
+    )
     outcome = "finished"
     if baseline.status != tracking.STATUS_OK:
         outcome = "baseline_failed"
-        log.error("ovat: the baseline did not finish (%s: %s); nothing to compare against", baseline.status,
-                  baseline.reason)
+        log.error(
+            "ovat: the baseline did not finish (%s: %s); nothing to compare against", baseline.status, baseline.reason
+        )
     else:
-        log.info("ovat: baseline %s = %s over %d repeats, noise %.1f%%, a win needs S >= %.3f",
-                 study.objective, results.fmt(baseline.value), len(baseline.values), 100 * noise, threshold)
+        log.info(
+            "ovat: baseline %s = %s over %d repeats, noise %.1f%%, a win needs S >= %.3f",
+            study.objective,
+            results.fmt(baseline.value),
+            len(baseline.values),
+            100 * noise,
+            threshold,
+        )
     step = 0
     for pass_ in range(1, study.passes + 1):
         if outcome != "finished":
@@ -362,8 +444,16 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
                 adopted = winner is not None and p is winner[1]
                 decision = f"adopted ({why})" if adopted else (f"{why}; a faster candidate won" if ok else why)
                 rows.append(_row(step, pass_, key, v, p, baseline, incumbent, study, decision, adopted))
-                log.info("ovat: [pass %d] %s=%s: %s=%s (S=%s vs baseline) -> %s", pass_, key, v, study.objective,
-                         results.fmt(p.value), results.fmt(rows[-1]["s_base"], 3), decision)
+                log.info(
+                    "ovat: [pass %d] %s=%s: %s=%s (S=%s vs baseline) -> %s",
+                    pass_,
+                    key,
+                    v,
+                    study.objective,
+                    results.fmt(p.value),
+                    results.fmt(rows[-1]["s_base"], 3),
+                    decision,
+                )
             if winner is not None:
                 current[key] = winner[0]
                 incumbent = winner[1]
@@ -372,22 +462,45 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
         if not adopted_any:
             break
     final_overrides = study.overrides(dict(current))
-    helped = [f"{r['variable']}={r['value']}: S={results.fmt(r['s_prev'], 3)} over the incumbent, "
-              f"{results.fmt(r['s_base'], 3)} over the baseline" for r in rows if r["adopted"]]
-    did_not = [f"{r['variable']}={r['value']}: {r['decision']}" for r in rows[1:]
-               if not r["adopted"] and r["status"] != "skipped"]
+    helped = [
+        f"{r['variable']}={r['value']}: S={results.fmt(r['s_prev'], 3)} over the incumbent, "
+        f"{results.fmt(r['s_base'], 3)} over the baseline"
+        for r in rows
+        if r["adopted"]
+    ]
+    did_not = [
+        f"{r['variable']}={r['value']}: {r['decision']}"
+        for r in rows[1:]
+        if not r["adopted"] and r["status"] != "skipped"
+    ]
     return {
-        "kind": "ovat", "study": study.name, "sweep": runner.info["id"], "experiment": runner.experiment,
-        "objective": study.objective, "direction": study.direction, "repeats": study.repeats,
-        "min_speedup": study.min_speedup, "loss_band": study.loss_band, "noise": noise, "threshold": threshold,
+        "kind": "ovat",
+        "study": study.name,
+        "sweep": runner.info["id"],
+        "experiment": runner.experiment,
+        "objective": study.objective,
+        "direction": study.direction,
+        "repeats": study.repeats,
+        "min_speedup": study.min_speedup,
+        "loss_band": study.loss_band,
+        "noise": noise,
+        "threshold": threshold,
         "outcome": outcome,
         "variables": [{"key": k, "values": v} for k, v in study.variables.items()],
-        "fixed": study.fixed, "rows": rows,
-        "final": {"assignment": dict(current), "overrides": final_overrides,
-                  "command": results.command(final_overrides), "objective": incumbent.value,
-                  "s_total": results.speedup(baseline.value, incumbent.value, study.direction),
-                  "run_ids": list(incumbent.run_ids), "config_hash": incumbent.config_hash},
-        "helped": helped, "did_not_help": did_not, "skipped": skipped,
+        "fixed": study.fixed,
+        "rows": rows,
+        "final": {
+            "assignment": dict(current),
+            "overrides": final_overrides,
+            "command": results.command(final_overrides),
+            "objective": incumbent.value,
+            "s_total": results.speedup(baseline.value, incumbent.value, study.direction),
+            "run_ids": list(incumbent.run_ids),
+            "config_hash": incumbent.config_hash,
+        },
+        "helped": helped,
+        "did_not_help": did_not,
+        "skipped": skipped,
         "curves": {label: p.losses.get(p.run_ids[0], []) if p.run_ids else [] for label, p in finalists},
         "trials": {"launched": runner.launched, "reused": runner.reused, "pruned": runner.pruned},
     }
@@ -432,8 +545,12 @@ def run_study(sweeper: Any, arguments: List[str]) -> List[Any]:
         _fail_study(err.errors, sweep.active(sweeper.hydra_context))
     info = sweep.active(sweeper.hydra_context)
     if info is None:
-        _fail_study(["tracking.enabled=false: the ovat sweeper reads every measurement back from MLflow; "
-                     "enable tracking (tracking.uri may point at any store)"])
+        _fail_study(
+            [
+                "tracking.enabled=false: the ovat sweeper reads every measurement back from MLflow; "
+                "enable tracking (tracking.uri may point at any store)"
+            ]
+        )
     runner = Runner(sweeper, study, info)
     _check_composes(study, runner)
     sweep_dir = Path(str(config.hydra.sweep.dir))
@@ -441,9 +558,15 @@ def run_study(sweeper: Any, arguments: List[str]) -> List[Any]:
     OmegaConf.save(config, sweep_dir / "multirun.yaml")
     c = tracking.client(info["uri"])
     c.set_tag(info["parent_run_id"], "ovat.study", study.name)
-    log.info("ovat study %s: %s by %s (%s), %d repeat(s), variables %s", study.name, study.objective,
-             study.direction, "resuming from MLflow" if study.resume else "fresh", study.repeats,
-             ", ".join(f"{k}={','.join(v)}" for k, v in study.variables.items()))
+    log.info(
+        "ovat study %s: %s by %s (%s), %d repeat(s), variables %s",
+        study.name,
+        study.objective,
+        study.direction,
+        "resuming from MLflow" if study.resume else "fresh",
+        study.repeats,
+        ", ".join(f"{k}={','.join(v)}" for k, v in study.variables.items()),
+    )
     t0 = time.perf_counter()
     data = descend(study, runner)
     data["trials"]["trial_seconds"] = runner.trial_seconds()
@@ -451,9 +574,16 @@ def run_study(sweeper: Any, arguments: List[str]) -> List[Any]:
     files = report.render(data, sweep_dir / "tuning_report")
     report.attach(info["uri"], info["parent_run_id"], files, data)
     final = data["final"]
-    log.info("ovat: %s -> %s=%s (S=%s over the baseline); %d trial(s) launched, %d reused, %d pruned",
-             data["outcome"], study.objective, results.fmt(final["objective"]), results.fmt(final["s_total"], 3),
-             runner.launched, runner.reused, runner.pruned)
+    log.info(
+        "ovat: %s -> %s=%s (S=%s over the baseline); %d trial(s) launched, %d reused, %d pruned",
+        data["outcome"],
+        study.objective,
+        results.fmt(final["objective"]),
+        results.fmt(final["s_total"], 3),
+        runner.launched,
+        runner.reused,
+        runner.pruned,
+    )
     log.info("ovat: best config: %s", final["command"])
     log.info("ovat: report %s (and on the sweep's parent run %s)", files[0], info["parent_run_id"])
     return runner.returns

@@ -1,5 +1,6 @@
 """Shared fixtures: Hydra compose with a clean global state, a private MLflow store per test,
 and a helper that runs the real CLI in a subprocess."""
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,14 @@ def cli_env(**extra) -> dict:
 
 def run_cli(args, cwd, timeout=300, **env) -> subprocess.CompletedProcess:
     """`python -m orchestrator ARGS` in `cwd`, as a user would run it."""
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=cli_env(**env),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator", *args],
+        cwd=cwd,
+        env=cli_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def search_runs(uri: str, experiment: str = "default"):
@@ -64,3 +71,13 @@ def metric_history(uri: str, run_id: str, key: str) -> list:
     from mlflow.tracking import MlflowClient
 
     return sorted(MlflowClient(uri).get_metric_history(run_id, key), key=lambda m: m.step)
+
+
+def assert_planned_state_bytes(cfg, summary) -> None:
+    """Every rank holds, to the byte, the parameters, gradients and optimizer state the planner
+    plans for it (``cfg`` as the trial ran it: chip resolved, mapped ops applied). Called by the
+    layout tests, so each launched layout checks the planner's model state at no extra launch."""
+    from orchestrator import planner
+
+    measured = [{k: int(v) for k, v in r.items()} for r in summary["model_state_bytes"]]
+    assert measured == planner.state_bytes_per_rank(cfg)

@@ -1,5 +1,6 @@
 """`orchestrator.best` and `orchestrator.report` on real runs: a small grid sweep (two micro-batch
 sizes, a sane and a diverging learning rate) and a crashed trial, in one MLflow store."""
+
 from __future__ import annotations
 
 import json

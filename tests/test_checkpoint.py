@@ -1,5 +1,6 @@
 """Checkpoints (DCP) and resume: a killed rank restarts its worker group from the last complete
 checkpoint and the loss curve is the uninterrupted one; a damaged newest checkpoint is skipped."""
+
 from __future__ import annotations
 
 import shutil
@@ -12,8 +13,17 @@ from trainers import checkpoint as ckpt
 
 pytestmark = pytest.mark.distributed
 
-BASE = ["+chip=cpu", "trainer=smoke", "trainer.steps=12", "trainer.global_batch=8", "trainer.micro_batch=2",
-        "trainer.log_every=2", "trainer.checkpoint_every=4", "data.num_workers=0", "parallel=dp2"]
+BASE = [
+    "+chip=cpu",
+    "trainer=smoke",
+    "trainer.steps=12",
+    "trainer.global_batch=8",
+    "trainer.micro_batch=2",
+    "trainer.log_every=2",
+    "trainer.checkpoint_every=4",
+    "data.num_workers=0",
+    "parallel=dp2",
+]
 
 
 def _losses(uri, run_id):
@@ -22,11 +32,20 @@ def _losses(uri, run_id):
 
 
 def test_killed_rank_resumes_from_the_last_checkpoint_with_the_same_losses(compose_cfg, tmp_path, mlflow_uri):
-    ref = trial.run(compose_cfg([*BASE, f"tracking.uri={mlflow_uri}", f"trainer.checkpoint_dir={tmp_path / 'a'}"]),
-                    ["uninterrupted"], progress=False)
+    ref = trial.run(
+        compose_cfg([*BASE, f"tracking.uri={mlflow_uri}", f"trainer.checkpoint_dir={tmp_path / 'a'}"]),
+        ["uninterrupted"],
+        progress=False,
+    )
     assert ref["status"] == "finished"
-    chaos = [*BASE, f"tracking.uri={mlflow_uri}", f"trainer.checkpoint_dir={tmp_path / 'b'}",
-             "trainer.fault.kill_rank=1", "trainer.fault.at_step=6", "launch.max_failures=1"]
+    chaos = [
+        *BASE,
+        f"tracking.uri={mlflow_uri}",
+        f"trainer.checkpoint_dir={tmp_path / 'b'}",
+        "trainer.fault.kill_rank=1",
+        "trainer.fault.at_step=6",
+        "launch.max_failures=1",
+    ]
     res = trial.run(compose_cfg(chaos), ["chaos"], progress=False)
     assert res["status"] == "finished", res.get("reason")
     assert res["summary"]["resumed_from_step"] == 4  # checkpoints at 4 and 8; killed at step 6
@@ -39,7 +58,9 @@ def test_killed_rank_resumes_from_the_last_checkpoint_with_the_same_losses(compo
 
 def test_a_truncated_newest_checkpoint_is_skipped(compose_cfg, tmp_path):
     root = tmp_path / "ck"
-    first = trial.run(compose_cfg([*BASE, "tracking.enabled=false", f"trainer.checkpoint_dir={root}"]), [], progress=False)
+    first = trial.run(
+        compose_cfg([*BASE, "tracking.enabled=false", f"trainer.checkpoint_dir={root}"]), [], progress=False
+    )
     assert first["status"] == "finished"
     assert ckpt.latest(str(root))[0] == 12
     newest = root / "step_00000012"
@@ -47,7 +68,9 @@ def test_a_truncated_newest_checkpoint_is_skipped(compose_cfg, tmp_path):
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a torn write
     assert not ckpt.is_complete(newest)
     assert ckpt.latest(str(root))[0] == 8
-    again = trial.run(compose_cfg([*BASE, "tracking.enabled=false", f"trainer.checkpoint_dir={root}"]), [], progress=False)
+    again = trial.run(
+        compose_cfg([*BASE, "tracking.enabled=false", f"trainer.checkpoint_dir={root}"]), [], progress=False
+    )
     assert again["status"] == "finished", again.get("reason")
     assert again["summary"]["resumed_from_step"] == 8
     assert again["summary"]["losses"] == pytest.approx(first["summary"]["losses"][8:], rel=1e-6, abs=0)
@@ -56,10 +79,18 @@ def test_a_truncated_newest_checkpoint_is_skipped(compose_cfg, tmp_path):
 def test_a_checkpoint_reshards_into_another_layout(compose_cfg, tmp_path):
     """Saved by dp2 (DDP), resumed by tp2pp2: DCP maps the whole model's names onto the shards."""
     root = tmp_path / "ck"
-    common = ["+chip=cpu", "trainer=smoke", "trainer.global_batch=8", "trainer.micro_batch=2", "data.num_workers=0",
-              "tracking.enabled=false", "trainer.checkpoint_every=4"]
-    ref = trial.run(compose_cfg([*common, "trainer.steps=8", "parallel=single", "trainer.checkpoint_every=0"]), [],
-                    progress=False)
+    common = [
+        "+chip=cpu",
+        "trainer=smoke",
+        "trainer.global_batch=8",
+        "trainer.micro_batch=2",
+        "data.num_workers=0",
+        "tracking.enabled=false",
+        "trainer.checkpoint_every=4",
+    ]
+    ref = trial.run(
+        compose_cfg([*common, "trainer.steps=8", "parallel=single", "trainer.checkpoint_every=0"]), [], progress=False
+    )
     common.append(f"trainer.checkpoint_dir={root}")
     trial.run(compose_cfg([*common, "trainer.steps=8", "parallel=dp2"]), [], progress=False)
     shutil.rmtree(root / "step_00000008")  # as if dp2 had stopped after its step-4 checkpoint

@@ -1,4 +1,5 @@
 """Every preset of every config group composes onto the typed schema, and typos do not."""
+
 from __future__ import annotations
 
 import re
@@ -39,9 +40,19 @@ def test_chip_is_not_in_defaults_and_the_design_example_composes(compose_cfg):
     assert (cfg.parallel.tp, cfg.parallel.pp) == (8, 4)
 
 
-@pytest.mark.parametrize("overrides", [["parallel.tpp=2"], ["trainer.steps=ten"], ["model.d_model=1.5"],
-                                       ["+chip=cpu", "chip.emulate=maybe"], ["+chip=cpu2"], ["comm.bucket_mb=big"],
-                                       ["+chip=cpu", "chip.memroy_gb=3"], ["parallel=tp3"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["parallel.tpp=2"],
+        ["trainer.steps=ten"],
+        ["model.d_model=1.5"],
+        ["+chip=cpu", "chip.emulate=maybe"],
+        ["+chip=cpu2"],
+        ["comm.bucket_mb=big"],
+        ["+chip=cpu", "chip.memroy_gb=3"],
+        ["parallel=tp3"],
+    ],
+)
 def test_typos_and_wrong_types_fail_to_compose(compose_cfg, overrides):
     with pytest.raises(ConfigCompositionException):
         compose_cfg(overrides)

@@ -1,4 +1,5 @@
 """Data: the stdlib corpus, memmap windows, and a deterministic, resumable, sharded order."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -52,8 +53,9 @@ def test_loader_with_workers_yields_micro_batches(tmp_path):
     path = tmp_path / "tokens.bin"
     np.arange(5000, dtype=np.uint16).tofile(path)
     args = DataConfig(name="memmap", path=str(path), num_workers=2, prefetch_factor=2, val_fraction=0.0)
-    loader = build_loader(args, seq_len=16, vocab_size=65536, seed=0, global_batch=8, micro_batch=2,
-                          dp_rank=1, dp_size=2, steps=3)
+    loader = build_loader(
+        args, seq_len=16, vocab_size=65536, seed=0, global_batch=8, micro_batch=2, dp_rank=1, dp_size=2, steps=3
+    )
     batches = list(loader)
     assert len(batches) == 3 * 2 and batches[0][0].shape == (2, 16) and batches[0][0].dtype == torch.int64
     x, y = batches[0]

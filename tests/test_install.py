@@ -1,4 +1,5 @@
 """A plain (non-editable) install ships conf/ and runs from any directory."""
+
 from __future__ import annotations
 
 import os
@@ -15,11 +16,18 @@ pytestmark = pytest.mark.slow
 def test_wheel_install_runs_from_another_directory(tmp_path):
     wheels, target, work = tmp_path / "wheels", tmp_path / "site", tmp_path / "work"
     work.mkdir()
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT),
-                    "-w", str(wheels)], check=True, cwd=tmp_path, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(ROOT), "-w", str(wheels)],
+        check=True,
+        cwd=tmp_path,
+        capture_output=True,
+    )
     wheel = next(wheels.glob("*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     assert (target / "orchestrator" / "conf" / "chip" / "ascend910b.yaml").is_file()
     assert (target / "hydra_plugins" / "ray_launcher" / "ray_launcher.py").is_file()
     assert (target / "hydra_plugins" / "ovat_sweeper" / "ovat_sweeper.py").is_file()
@@ -27,20 +35,42 @@ def test_wheel_install_runs_from_another_directory(tmp_path):
     assert not (target / "hydra_plugins" / "__init__.py").exists()  # a namespace package, as Hydra expects
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     env["PYTHONPATH"] = str(target)  # the installed copy only, not the repository
-    proc = subprocess.run([sys.executable, "-m", "orchestrator", "+chip=cpu", "trainer=smoke", "trainer.steps=3"],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "+chip=cpu", "trainer=smoke", "trainer.steps=3"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "finished run" in proc.stdout
     assert (work / "mlruns.db").is_file()
-    cfg = subprocess.run([sys.executable, "-m", "orchestrator", "+chip=ascend910b", "parallel=tp8pp4", "--cfg", "job"],
-                         cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    cfg = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "+chip=ascend910b", "parallel=tp8pp4", "--cfg", "job"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert cfg.returncode == 0 and "tp: 8" in cfg.stdout and "name: ascend910b" in cfg.stdout
-    launcher = subprocess.run([sys.executable, "-m", "orchestrator", "hydra/launcher=ray", "--cfg", "hydra",
-                               "--package", "hydra.launcher"], cwd=work, env=env, capture_output=True, text=True,
-                              timeout=120)
+    launcher = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "hydra/launcher=ray", "--cfg", "hydra", "--package", "hydra.launcher"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert launcher.returncode == 0 and "hydra_plugins.ray_launcher.ray_launcher.RayLauncher" in launcher.stdout
-    sweeper = subprocess.run([sys.executable, "-m", "orchestrator", "+sweep=cpu_smoke", "--cfg", "hydra",
-                              "--package", "hydra.sweeper"], cwd=work, env=env, capture_output=True, text=True,
-                             timeout=120)
+    sweeper = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "+sweep=cpu_smoke", "--cfg", "hydra", "--package", "hydra.sweeper"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert sweeper.returncode == 0 and "hydra_plugins.ovat_sweeper.ovat_sweeper.OvatSweeper" in sweeper.stdout
     assert "trainer.micro_batch" in sweeper.stdout

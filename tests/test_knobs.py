@@ -6,6 +6,7 @@ validator's refusals of what the trainer cannot honour.
 Single-process tests run ``trainers.loop.train`` here; ``distributed`` ones launch gloo workers
 and compare with the single-process reference (1e-5 relative, as tests/test_parallel.py).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from orchestrator import trial
 from orchestrator.results import Point, quality_gate
 from orchestrator.trial import ConfigError
-from tests.conftest import metric_history, run_cli
+from tests.conftest import assert_planned_state_bytes, metric_history, run_cli
 from trainers import comm, data
 from trainers.config import ModelConfig, PrecisionConfig
 from trainers.loop import NonFiniteError, train
@@ -65,8 +66,9 @@ FP16_PARAMS = ["precision=fp16", "precision.param_dtype=fp16", "precision.loss_s
 def test_static_loss_scale_never_moves(compose_cfg):
     """growth_interval=1 would double a dynamic scale after every clean step; ignored, the key
     used to turn scaling off (scale 1)."""
-    s, rows = _train(compose_cfg, [*FP16_PARAMS, "precision.init_scale=1024", "precision.growth_interval=1",
-                                   "trainer.steps=3"])
+    s, rows = _train(
+        compose_cfg, [*FP16_PARAMS, "precision.init_scale=1024", "precision.growth_interval=1", "trainer.steps=3"]
+    )
     assert [r["loss_scale"] for r in rows] == [1024.0] * 3
     assert s["skipped_steps_total"] == 0 and s["param_sum_final"] != s["param_sum_initial"]
 
@@ -82,12 +84,17 @@ def test_static_loss_scale_skips_overflows_and_ends_the_trial(compose_cfg):
 
 # --- precision.param_dtype, precision.master_weights_fp32 -----------------------------------------
 
-@pytest.mark.parametrize("overrides,per_param", [
-    ([], (4, 4, 8)),
-    (["precision=bf16", "precision.param_dtype=bf16"], (2, 2, 12)),
-    (["precision=bf16", "precision.param_dtype=bf16", "precision.master_weights_fp32=false"], (2, 2, 4)),
-    (["precision=fp16", "precision.param_dtype=fp16"], (2, 2, 12)),
-], ids=["fp32", "bf16-master", "bf16-no-master", "fp16-master"])
+
+@pytest.mark.parametrize(
+    "overrides,per_param",
+    [
+        ([], (4, 4, 8)),
+        (["precision=bf16", "precision.param_dtype=bf16"], (2, 2, 12)),
+        (["precision=bf16", "precision.param_dtype=bf16", "precision.master_weights_fp32=false"], (2, 2, 4)),
+        (["precision=fp16", "precision.param_dtype=fp16"], (2, 2, 12)),
+    ],
+    ids=["fp32", "bf16-master", "bf16-no-master", "fp16-master"],
+)
 def test_param_dtype_and_master_weights_set_the_bytes_held(compose_cfg, overrides, per_param):
     """What the planner plans per parameter: params + grads + optimizer tensors."""
     s, _ = _train(compose_cfg, [*overrides, "trainer.steps=2"])
@@ -113,6 +120,7 @@ def test_master_adamw_is_adamw_on_fp32():
 def test_master_weights_keep_what_bf16_cannot_hold():
     """Updates of 1e-4 on 1.0 are below bf16's half-ulp (2^-9): AdamW on the bf16 parameter
     rounds each back to 1.0; the fp32 master accumulates them and the parameter follows."""
+
     def run(opt_cls, steps):
         p = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
         opt = opt_cls([p], lr=1e-4, weight_decay=0.0)
@@ -148,10 +156,17 @@ def _untrained_val_loss(cfg) -> float:
     """The initial model's mean loss over the held-out split's first eval_batches global batches."""
     spec = trial.build_spec(cfg)
     model = GPT(spec.model, seed=spec.trainer.seed).eval()
-    loader = data.build_val_loader(spec.data, seq_len=spec.trainer.seq_len, vocab_size=spec.model.vocab_size,
-                                   seed=spec.trainer.seed, global_batch=spec.trainer.global_batch,
-                                   micro_batch=spec.trainer.micro_batch, dp_rank=0, dp_size=1,
-                                   batches=spec.trainer.eval_batches)
+    loader = data.build_val_loader(
+        spec.data,
+        seq_len=spec.trainer.seq_len,
+        vocab_size=spec.model.vocab_size,
+        seed=spec.trainer.seed,
+        global_batch=spec.trainer.global_batch,
+        micro_batch=spec.trainer.micro_batch,
+        dp_rank=0,
+        dp_size=1,
+        batches=spec.trainer.eval_batches,
+    )
     with torch.no_grad():
         losses = [cross_entropy(model(x), y) for x, y in loader]
     assert len(losses) == 2 * spec.trainer.global_batch // spec.trainer.micro_batch
@@ -239,8 +254,12 @@ def test_each_fp32_op_runs_in_fp32_only_when_listed(op, compute):
 def test_the_trainer_follows_fp32_ops(compose_cfg, op):
     """Through the config and the trainer: one bf16 step with ``op`` listed, one without. (Its
     effect on the loss can be nil: CPU 16-bit softmax kernels accumulate in fp32 internally.)"""
-    common = ["precision=bf16", "model.attn_impl=decomposed", "trainer.steps=1",
-              *(["model.norm=rmsnorm"] if op == "rms_norm" else [])]
+    common = [
+        "precision=bf16",
+        "model.attn_impl=decomposed",
+        "trainer.steps=1",
+        *(["model.norm=rmsnorm"] if op == "rms_norm" else []),
+    ]
     for listed, want in ((True, torch.float32), (False, torch.bfloat16)):
         ops = [o for o in FP32_OPS if o != op or listed]
         rec = _Dtypes()
@@ -270,10 +289,12 @@ def test_what_cannot_be_honoured_is_refused(compose_cfg, overrides, message):
 
 
 def test_what_can_be_honoured_passes(compose_cfg):
-    for overrides in (["precision=bf16", "precision.param_dtype=bf16", "precision.fp32_ops=[softmax]"],
-                      ["precision=bf16", "model.attn_impl=decomposed", "precision.fp32_ops=[]"],
-                      ["parallel=dp2", "comm.overlap=false"], ["trainer.eval_every=5", "data=synthetic",
-                                                              "data.val_fraction=0"]):
+    for overrides in (
+        ["precision=bf16", "precision.param_dtype=bf16", "precision.fp32_ops=[softmax]"],
+        ["precision=bf16", "model.attn_impl=decomposed", "precision.fp32_ops=[]"],
+        ["parallel=dp2", "comm.overlap=false"],
+        ["trainer.eval_every=5", "data=synthetic", "data.val_fraction=0"],
+    ):
         trial.prepare(compose_cfg([*ONE, *overrides]))
 
 
@@ -283,6 +304,7 @@ def test_the_cli_exits_2_naming_fp32_ops(tmp_path):
 
 
 # --- the tuner's quality gate ----------------------------------------------------------------------
+
 
 def _point(final, val=None):
     p = Point("h", status="finished")
@@ -301,8 +323,15 @@ def test_the_quality_gate_compares_val_loss_when_both_have_it():
 # --- distributed: comm.overlap, evaluation in every layout, dropout under TP, 16-bit parameters -----
 
 STEPS = 4
-BASE = ["+chip=cpu", "trainer=smoke", f"trainer.steps={STEPS}", "trainer.global_batch=8", "trainer.micro_batch=2",
-        "data.num_workers=0", "trainer.eval_every=2"]
+BASE = [
+    "+chip=cpu",
+    "trainer=smoke",
+    f"trainer.steps={STEPS}",
+    "trainer.global_batch=8",
+    "trainer.micro_batch=2",
+    "data.num_workers=0",
+    "trainer.eval_every=2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -335,8 +364,10 @@ def _buckets(bucket_mb: float) -> int:
 OVERLAP = {  # layout -> (gradient collectives in backward, after backward, FSDP units), rank 0, whole run
     "ddp": (["parallel=dp2"], (STEPS, 0, 0)),
     "ddp-after-backward": (["parallel=dp2", "comm.overlap=false"], (0, STEPS * _buckets(25.0), 0)),
-    "ddp-after-backward-small-buckets": (["parallel=dp2", "comm.overlap=false", "comm.bucket_mb=0.05"],
-                                         (0, STEPS * _buckets(0.05), 0)),
+    "ddp-after-backward-small-buckets": (
+        ["parallel=dp2", "comm.overlap=false", "comm.bucket_mb=0.05"],
+        (0, STEPS * _buckets(0.05), 0),
+    ),
     "fsdp": (["parallel=dp2", "parallel.dp_shard=fsdp"], (0, 0, 4 + 1)),  # a unit per block + the root
     "fsdp-one-unit": (["parallel=dp2", "parallel.dp_shard=fsdp", "comm.overlap=false"], (0, 0, 1)),
 }
@@ -347,17 +378,17 @@ OVERLAP = {  # layout -> (gradient collectives in backward, after backward, FSDP
 def test_comm_overlap_changes_the_reduction_not_the_losses(compose_cfg, reference, name):
     overrides, expected = OVERLAP[name]
     assert _buckets(0.05) > _buckets(25.0) == 1
-    result = trial.run(compose_cfg([*BASE, *overrides, "tracking.enabled=false"]), overrides, progress=False)
+    cfg = compose_cfg([*BASE, *overrides, "tracking.enabled=false"])
+    result = trial.run(cfg, overrides, progress=False)
     assert result["status"] == "finished", result.get("reason")
     s = result["summary"]
+    assert_planned_state_bytes(cfg, s)
     assert (s["grad_collectives_in_backward"], s["grad_collectives_after_backward"], s["fsdp_units"]) == expected
     assert s["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert s["val_loss"] == pytest.approx(reference["val_losses"][-1], rel=1e-5)
 
 
-EVAL_LAYOUTS = {
-    "tp2": ["parallel=tp2"],
-    "pp2-zbv": ["parallel=pp2", "parallel.schedule=zbv"],
+EVAL_LAYOUTS = {  # every layout of tests/test_parallel.py also checks val_loss; here one, through MLflow
     "tp2pp2-sequence-parallel": ["parallel=tp2pp2", "parallel.sequence_parallel=true"],
 }
 
@@ -371,8 +402,9 @@ def test_val_loss_matches_the_reference_in_every_layout(compose_cfg, reference, 
     # per-step rows at the evaluated steps; the summary's value lands at step 0, as final_loss does
     history = {m.step: m.value for m in metric_history(mlflow_uri, result["run_id"], "val_loss")}
     assert sorted(history) == [0, 1, 3]
-    assert [history[1], history[3], history[0]] == pytest.approx([*reference["val_losses"], reference["val_losses"][-1]],
-                                                                 rel=1e-5)
+    assert [history[1], history[3], history[0]] == pytest.approx(
+        [*reference["val_losses"], reference["val_losses"][-1]], rel=1e-5
+    )
     assert result["summary"]["val_loss"] == pytest.approx(reference["val_losses"][-1], rel=1e-5)
 
 
@@ -412,9 +444,11 @@ def test_bf16_master_weights_in_each_layout(compose_cfg, bf16_reference, layout)
     """16-bit parameters with fp32 master copies in DDP, TP and PP: each rank holds 2 + 2 + 12
     bytes per local parameter; the losses follow the single-process bf16 run (bf16 rounding
     differs with the reduction order, hence the looser band)."""
-    result = trial.run(compose_cfg([*BASE, *BF16, layout, "tracking.enabled=false"]), [], progress=False)
+    cfg = compose_cfg([*BASE, *BF16, layout, "tracking.enabled=false"])
+    result = trial.run(cfg, [], progress=False)
     assert result["status"] == "finished", result.get("reason")
     s = result["summary"]
+    assert_planned_state_bytes(cfg, s)
     for held in s["model_state_bytes"]:
         assert held["grads"] == held["params"] and held["optimizer"] == 6 * held["params"]
     assert s["losses"] == pytest.approx(bf16_reference["losses"], rel=2e-3)
@@ -424,8 +458,16 @@ def test_bf16_master_weights_in_each_layout(compose_cfg, bf16_reference, layout)
 def test_bf16_master_weights_under_fsdp_resume_exactly(compose_cfg, tmp_path):
     """FSDP2 shards of bf16 parameters, their fp32 masters sharded alike; a DCP checkpoint keeps
     the masters in fp32, so a resumed run continues with the uninterrupted losses."""
-    overrides = [*BASE, *BF16, "parallel=dp2", "parallel.dp_shard=fsdp", "trainer.steps=8",
-                 "trainer.checkpoint_every=4", f"trainer.checkpoint_dir={tmp_path}", "tracking.enabled=false"]
+    overrides = [
+        *BASE,
+        *BF16,
+        "parallel=dp2",
+        "parallel.dp_shard=fsdp",
+        "trainer.steps=8",
+        "trainer.checkpoint_every=4",
+        f"trainer.checkpoint_dir={tmp_path}",
+        "tracking.enabled=false",
+    ]
     first = trial.run(compose_cfg(overrides), [], progress=False)
     assert first["status"] == "finished", first.get("reason")
     s = first["summary"]

@@ -1,4 +1,5 @@
 """The trainer imports no Ray, Hydra or MLflow; the control plane imports only its entry."""
+
 from __future__ import annotations
 
 import ast
@@ -26,8 +27,11 @@ def test_trainers_import_no_control_plane_library():
 # the worker entry, and the planner's operator capture and probe (torch only, run on meta tensors
 # or on this machine's device; they never train); and the torch-free schema and layout rules the
 # trainer owns and the control plane registers, validates and plans by
-ALLOWED_FROM_TRAINERS = {("trainers.loop", "worker_entry"), ("trainers.ops", "capture_ops"),
-                         ("trainers.ops", "probe_ops")}
+ALLOWED_FROM_TRAINERS = {
+    ("trainers.loop", "worker_entry"),
+    ("trainers.ops", "capture_ops"),
+    ("trainers.ops", "probe_ops"),
+}
 TORCH_FREE = ("trainers.config", "trainers.rules")
 
 
@@ -90,7 +94,7 @@ def _orchestrator_import_graph() -> dict[str, set[str]]:
                 base = node.module or ""
                 if node.level:
                     anchor = package.split(".")
-                    anchor = anchor[:len(anchor) - (node.level - 1)]
+                    anchor = anchor[: len(anchor) - (node.level - 1)]
                     base = ".".join(anchor + ([base] if base else []))
                 # `from pkg import mod` imports the module pkg.mod; `from mod import name`, mod
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
@@ -116,7 +120,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str]:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:

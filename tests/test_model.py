@@ -1,4 +1,5 @@
 """The GPT decoder: causality, the attention decomposition, Llama features, parameter counts."""
+
 from __future__ import annotations
 
 import pytest
@@ -47,12 +48,15 @@ def test_activation_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(p.grad, q.grad)
 
 
-@pytest.mark.parametrize("preset,expected,rel", [
-    ("gpt2_small", 124.4e6, 0.01),  # GPT-2 small: 124M (with the vocabulary padded to 50304)
-    ("llama2_7b", 6.74e9, 0.01),    # Llama 2 7B: 6,738,415,616
-    ("llama2_13b", 13.02e9, 0.01),  # Llama 2 13B: 13,015,864,320
-    ("llama2_70b", 68.98e9, 0.01),  # Llama 2 70B: 68,976,648,192
-])
+@pytest.mark.parametrize(
+    "preset,expected,rel",
+    [
+        ("gpt2_small", 124.4e6, 0.01),  # GPT-2 small: 124M (with the vocabulary padded to 50304)
+        ("llama2_7b", 6.74e9, 0.01),  # Llama 2 7B: 6,738,415,616
+        ("llama2_13b", 13.02e9, 0.01),  # Llama 2 13B: 13,015,864,320
+        ("llama2_70b", 68.98e9, 0.01),  # Llama 2 70B: 68,976,648,192
+    ],
+)
 def test_published_parameter_counts(preset, expected, rel):
     from omegaconf import OmegaConf
 

@@ -1,4 +1,5 @@
 """Numerics: the layer where a NaN starts, an fp16 overflow's layer, comparing runs, profiling."""
+
 from __future__ import annotations
 
 import json
@@ -19,21 +20,33 @@ def _run(compose_cfg, uri, overrides):
 
 @pytest.mark.parametrize("layout", ["single", "tp2pp2"])
 def test_injected_nan_names_its_layer_and_step(compose_cfg, mlflow_uri, layout):
-    result = _run(compose_cfg, mlflow_uri, [f"parallel={layout}", "trainer.fault.nan_layer=2",
-                                            "trainer.fault.nan_at_step=3"])
+    result = _run(
+        compose_cfg, mlflow_uri, [f"parallel={layout}", "trainer.fault.nan_layer=2", "trainer.fault.nan_at_step=3"]
+    )
     assert result["status"] == "nonfinite"
     assert "at step 3" in result["reason"] and "first in layer 2" in result["reason"], result["reason"]
 
 
 def test_fp16_overflow_shows_the_layer_whose_activations_overflowed(compose_cfg, mlflow_uri):
-    result = _run(compose_cfg, mlflow_uri, ["precision=fp16", "precision.monitor=1", "trainer.fault.nan_layer=1",
-                                            "trainer.fault.nan_at_step=2", "trainer.fault.inject=overflow"])
+    result = _run(
+        compose_cfg,
+        mlflow_uri,
+        [
+            "precision=fp16",
+            "precision.monitor=1",
+            "trainer.fault.nan_layer=1",
+            "trainer.fault.nan_at_step=2",
+            "trainer.fault.inject=overflow",
+        ],
+    )
     assert result["status"] == "finished", result.get("reason")
     rid = result["run_id"]
     assert [m.value for m in metric_history(mlflow_uri, rid, "overflow_layer")] == [1]
     client = __import__("mlflow").tracking.MlflowClient(mlflow_uri)
-    rows = json.loads(client.download_artifacts(rid, "monitor/step_000002.json", str(__import__("tempfile").mkdtemp()))
-                      and open(client.download_artifacts(rid, "monitor/step_000002.json")).read())
+    rows = json.loads(
+        client.download_artifacts(rid, "monitor/step_000002.json", str(__import__("tempfile").mkdtemp()))
+        and open(client.download_artifacts(rid, "monitor/step_000002.json")).read()
+    )
     acts = {r["layer"]: r for r in rows if r["kind"] == "activation"}
     assert acts[0]["overflow_fp16"] == 0 and acts[1]["overflow_fp16"] > 0  # layer 1 overflowed, not 0
     assert [m.value for m in metric_history(mlflow_uri, rid, "skipped_steps")][2] == 1
@@ -57,19 +70,45 @@ def test_compare_fp32_and_bf16(compose_cfg, mlflow_uri, tmp_path):
     assert (tmp_path / "compare.md").read_text().startswith("# ") and (tmp_path / "compare_loss.png").stat().st_size > 0
     assert len(paths) == 2
     # the CLI: --json carries the contract's keys; --log attaches the report to RUN_B
-    assert compare.main([fp32["run_id"], bf16["run_id"], "--uri", mlflow_uri, "--threshold", str(thr), "--json",
-                         "--out", str(tmp_path / "cli"), "--log"]) == 0
+    assert (
+        compare.main(
+            [
+                fp32["run_id"],
+                bf16["run_id"],
+                "--uri",
+                mlflow_uri,
+                "--threshold",
+                str(thr),
+                "--json",
+                "--out",
+                str(tmp_path / "cli"),
+                "--log",
+            ]
+        )
+        == 0
+    )
     client = __import__("mlflow").tracking.MlflowClient(mlflow_uri)
-    assert {a.path for a in client.list_artifacts(bf16["run_id"], "compare")} == {"compare/compare.md",
-                                                                                  "compare/compare_loss.png"}
+    assert {a.path for a in client.list_artifacts(bf16["run_id"], "compare")} == {
+        "compare/compare.md",
+        "compare/compare_loss.png",
+    }
     assert compare.main(["nope", bf16["run_id"], "--uri", mlflow_uri]) == 2
 
 
 @pytest.mark.parametrize("layout,expect_comm", [("single", False), ("dp2", True)])
 def test_profile_records_trace_and_comm_share(compose_cfg, mlflow_uri, tmp_path, layout, expect_comm):
-    result = _run(compose_cfg, mlflow_uri, [f"parallel={layout}", "trainer.steps=6", "trainer.profile=true",
-                                            "trainer.profile_start=2", "trainer.profile_steps=2",
-                                            f"trainer.profile_dir={tmp_path}"])
+    result = _run(
+        compose_cfg,
+        mlflow_uri,
+        [
+            f"parallel={layout}",
+            "trainer.steps=6",
+            "trainer.profile=true",
+            "trainer.profile_start=2",
+            "trainer.profile_steps=2",
+            f"trainer.profile_dir={tmp_path}",
+        ],
+    )
     assert result["status"] == "finished", result.get("reason")
     run = next(r for r in search_runs(mlflow_uri) if r.info.run_id == result["run_id"])
     share = run.data.metrics["comm_share"]

@@ -1,5 +1,6 @@
 """The OVAT sweeper end to end on the CPU (real trials, real MLflow), its decision rules, and its
 refusal of a broken study."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,18 @@ from tests.conftest import ROOT, run_cli, search_runs
 # against one of 8 (8 accumulation steps against 1: a sure win), a learning rate that cannot reach
 # the baseline's loss in 8 steps (the quality gate), a tensor-parallel size that does not divide
 # the model (pruned before launch), and a fault drill that kills rank 0 at step 2 (a crash)
-STUDY = ["-m", "+sweep=cpu_smoke", "+chip=cpu", "trainer.steps=8", "precision=fp32", "trainer.fault.kill_rank=0",
-         "trainer.micro_batch=1,8", "trainer.lr=0.003,0.00001", "parallel.tp=1,3", "trainer.fault.at_step=-1,2"]
+STUDY = [
+    "-m",
+    "+sweep=cpu_smoke",
+    "+chip=cpu",
+    "trainer.steps=8",
+    "precision=fp32",
+    "trainer.fault.kill_rank=0",
+    "trainer.micro_batch=1,8",
+    "trainer.lr=0.003,0.00001",
+    "parallel.tp=1,3",
+    "trainer.fault.at_step=-1,2",
+]
 
 
 def _parents(uri):
@@ -44,10 +55,18 @@ def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
     assert "trainer.micro_batch=8" in tags["tuning.command"] and "trainer.lr=0.003" in tags["tuning.command"]
 
     data = json.loads(open(_artifact(uri, parent.info.run_id, "tuning_report.json", tmp_path)).read())
-    assert [v["key"] for v in data["variables"]] == ["trainer.micro_batch", "trainer.lr", "parallel.tp",
-                                                     "trainer.fault.at_step"]
-    assert data["final"]["assignment"] == {"trainer.micro_batch": "8", "trainer.lr": "0.003", "parallel.tp": "1",
-                                           "trainer.fault.at_step": "-1"}
+    assert [v["key"] for v in data["variables"]] == [
+        "trainer.micro_batch",
+        "trainer.lr",
+        "parallel.tp",
+        "trainer.fault.at_step",
+    ]
+    assert data["final"]["assignment"] == {
+        "trainer.micro_batch": "8",
+        "trainer.lr": "0.003",
+        "parallel.tp": "1",
+        "trainer.fault.at_step": "-1",
+    }
     rows = {(r["variable"], r["value"]): r for r in data["rows"]}
     base = rows[("(baseline)", "trainer.micro_batch=1 trainer.lr=0.003 parallel.tp=1 trainer.fault.at_step=-1")]
     assert base["n"] == 2 and base["decision"] == "baseline"
@@ -89,8 +108,10 @@ def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
 
     # orchestrator.report renders the stored report of a sweep again
     out = tmp_path / "report"
-    assert report.main(["--experiment", "default", "--tracking-uri", uri, "--sweep", tags["sweep"],
-                        "--out", str(out)]) == 0
+    assert (
+        report.main(["--experiment", "default", "--tracking-uri", uri, "--sweep", tags["sweep"], "--out", str(out)])
+        == 0
+    )
     assert "trainer.micro_batch" in (out / "tuning_report.md").read_text()
     assert (out / "loss_curves.png").is_file()
 
@@ -138,29 +159,64 @@ def test_the_quality_gate_rejects_fast_points_that_lose_quality():
 
 def test_the_study_takes_the_preset_then_the_command_line():
     parser = OverridesParser.create()
-    spec = {"variables": {"trainer.micro_batch": [2, 8], "precision": "fp32,bf16", "comm.overlap": [True, False]},
-            "objective": "tokens_per_s_median", "direction": "maximize", "repeats": 3, "min_speedup": 1.1,
-            "loss_band": 0.02, "passes": 2, "resume": False}
-    study = parse_study(spec, ["+chip=cpu", "precision=bf16", "comm.bucket_mb=10,50", "trainer.micro_batch=4,8"],
-                        parser, "s")
+    spec = {
+        "variables": {"trainer.micro_batch": [2, 8], "precision": "fp32,bf16", "comm.overlap": [True, False]},
+        "objective": "tokens_per_s_median",
+        "direction": "maximize",
+        "repeats": 3,
+        "min_speedup": 1.1,
+        "loss_band": 0.02,
+        "passes": 2,
+        "resume": False,
+    }
+    study = parse_study(
+        spec, ["+chip=cpu", "precision=bf16", "comm.bucket_mb=10,50", "trainer.micro_batch=4,8"], parser, "s"
+    )
     # precision is fixed on the command line; micro_batch's candidates replaced in place; bucket_mb appended
-    assert list(study.variables.items()) == [("trainer.micro_batch", ["4", "8"]), ("comm.overlap", ["true", "false"]),
-                                             ("comm.bucket_mb", ["10", "50"])]
+    assert list(study.variables.items()) == [
+        ("trainer.micro_batch", ["4", "8"]),
+        ("comm.overlap", ["true", "false"]),
+        ("comm.bucket_mb", ["10", "50"]),
+    ]
     assert study.fixed == ["+chip=cpu", "precision=bf16"]
-    assert (study.objective, study.direction, study.repeats, study.passes, study.resume) == \
-        ("tokens_per_s_median", "maximize", 3, 2, False)
+    assert (study.objective, study.direction, study.repeats, study.passes, study.resume) == (
+        "tokens_per_s_median",
+        "maximize",
+        3,
+        2,
+        False,
+    )
     assert study.overrides({"a": "1"}) == ["+chip=cpu", "precision=bf16", "a=1"]
 
 
 def test_a_broken_study_names_every_key():
     parser = OverridesParser.create()
     with pytest.raises(StudyError) as err:
-        parse_study({"variables": {"precision": ["fp32"]}, "objective": "", "direction": "down", "repeats": 0,
-                     "min_speedup": 0.5, "loss_band": 0, "passes": 0}, ["trainer.lr=interval(0,1)"], parser, "s")
+        parse_study(
+            {
+                "variables": {"precision": ["fp32"]},
+                "objective": "",
+                "direction": "down",
+                "repeats": 0,
+                "min_speedup": 0.5,
+                "loss_band": 0,
+                "passes": 0,
+            },
+            ["trainer.lr=interval(0,1)"],
+            parser,
+            "s",
+        )
     text = "\n".join(err.value.errors)
-    for key in ("hydra.sweeper.variables.precision", "hydra.sweeper.objective", "hydra.sweeper.direction=down",
-                "hydra.sweeper.repeats=0", "hydra.sweeper.min_speedup=0.5", "hydra.sweeper.loss_band=0",
-                "hydra.sweeper.passes=0", "trainer.lr=interval(0,1)"):
+    for key in (
+        "hydra.sweeper.variables.precision",
+        "hydra.sweeper.objective",
+        "hydra.sweeper.direction=down",
+        "hydra.sweeper.repeats=0",
+        "hydra.sweeper.min_speedup=0.5",
+        "hydra.sweeper.loss_band=0",
+        "hydra.sweeper.passes=0",
+        "trainer.lr=interval(0,1)",
+    ):
         assert key in text, key
 
 
@@ -217,8 +273,16 @@ def test_coordinate_descent_adopts_winners_in_order_and_makes_another_pass():
     from sweeps.ovat import descend
 
     # b=2 only pays off once a=2 is adopted: the second pass finds it
-    table = _table(**{"a=1__b=1": (1.0, 3.0), "a=2__b=1": (0.5, 3.0), "a=3__b=1": "infeasible",
-                      "a=2__b=2": (0.25, 3.0), "a=1__b=2": (1.5, 3.0), "a=3__b=2": (9.0, 3.0)})
+    table = _table(
+        **{
+            "a=1__b=1": (1.0, 3.0),
+            "a=2__b=1": (0.5, 3.0),
+            "a=3__b=1": "infeasible",
+            "a=2__b=2": (0.25, 3.0),
+            "a=1__b=2": (1.5, 3.0),
+            "a=3__b=2": (9.0, 3.0),
+        }
+    )
     study = Study(name="t", variables={"b": ["1", "2"], "a": ["1", "2", "3"]}, fixed=["+x=y"], passes=3)
     # b first: b=2 loses against a=1 (1.5 > 1.0); then a=2 wins; the second pass tries b=2 again
     runner = TableRunner(table)
@@ -228,9 +292,18 @@ def test_coordinate_descent_adopts_winners_in_order_and_makes_another_pass():
     assert data["final"]["overrides"] == ["+x=y", "b=2", "a=2"]
     assert data["final"]["s_total"] == pytest.approx(4.0)
     decisions = [(r["pass"], r["variable"], r["value"], r["adopted"]) for r in data["rows"]]
-    assert decisions == [(0, "(baseline)", "b=1 a=1", False), (1, "b", "2", False), (1, "a", "2", True),
-                         (1, "a", "3", False), (2, "b", "2", True), (2, "a", "1", False), (2, "a", "3", False),
-                         (3, "b", "1", False), (3, "a", "1", False), (3, "a", "3", False)]
+    assert decisions == [
+        (0, "(baseline)", "b=1 a=1", False),
+        (1, "b", "2", False),
+        (1, "a", "2", True),
+        (1, "a", "3", False),
+        (2, "b", "2", True),
+        (2, "a", "1", False),
+        (2, "a", "3", False),
+        (3, "b", "1", False),
+        (3, "a", "1", False),
+        (3, "a", "3", False),
+    ]
     assert data["rows"][3]["decision"].startswith("infeasible")
     assert len(data["helped"]) == 2 and list(data["curves"]) == ["baseline", "a=2", "b=2"]
 
@@ -273,8 +346,14 @@ def test_a_variable_without_effect_on_the_incumbent_is_skipped_not_measured():
 
     # "bucket" acts only once "dp" is 2 (DDP buckets need replicas): skipped on the baseline, so
     # never launched there; after dp=2 is adopted, the second pass measures it
-    table = _table(**{"dp=1__bucket=25": (1.0, 3.0), "dp=2__bucket=25": (0.5, 3.0), "dp=2__bucket=100": (0.25, 3.0),
-                      "dp=1__bucket=100": (1.0, 3.0)})
+    table = _table(
+        **{
+            "dp=1__bucket=25": (1.0, 3.0),
+            "dp=2__bucket=25": (0.5, 3.0),
+            "dp=2__bucket=100": (0.25, 3.0),
+            "dp=1__bucket=100": (1.0, 3.0),
+        }
+    )
     inert = {"bucket": lambda cur: "no DDP buckets" if cur["dp"] == "1" else None}
     runner = TableRunner(table, inert)
     data = descend(Study(name="t", variables={"bucket": ["25", "100"], "dp": ["1", "2"]}, fixed=[], passes=2), runner)

@@ -3,6 +3,7 @@ from MLflow, and the `python -m orchestrator.plan` CLI.
 
 Memory figures are in bytes here (the seed article's GB are 10**9 bytes); the planner reports GiB.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,19 @@ from orchestrator.planner import ModelShape, ParallelShape
 from tests.conftest import ROOT, cli_env
 from trainers.ops import FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD, capture_ops, probe_ops
 
-CONTRACT = {"dp", "tp", "pp", "microbatches", "schedule", "memory_gb", "fits", "bubble_fraction", "comm_share",
-            "step_time_s", "mfu"}
+CONTRACT = {
+    "dp",
+    "tp",
+    "pp",
+    "microbatches",
+    "schedule",
+    "memory_gb",
+    "fits",
+    "bubble_fraction",
+    "comm_share",
+    "step_time_s",
+    "mfu",
+}
 MEMORY_KEYS = {"params", "grads", "optimizer", "activations", "buffers", "total"}
 DEFAULTS = OmegaConf.structured(Config)
 
@@ -38,8 +50,19 @@ def planner_cfg(**kw):
 
 
 def model(**kw) -> ModelShape:
-    base = dict(vocab_size=51200, d_model=1024, n_layers=4, n_heads=16, d_ff=4096, max_seq_len=2048,
-                norm="layernorm", mlp="gelu", pos_emb="rope", tie_embeddings=True, attn_impl="fused")
+    base = dict(
+        vocab_size=51200,
+        d_model=1024,
+        n_layers=4,
+        n_heads=16,
+        d_ff=4096,
+        max_seq_len=2048,
+        norm="layernorm",
+        mlp="gelu",
+        pos_emb="rope",
+        tie_embeddings=True,
+        attn_impl="fused",
+    )
     return ModelShape.of({**base, **kw})
 
 
@@ -48,6 +71,7 @@ def states(mp) -> float:
 
 
 # --- the seed article's figures --------------------------------------------------------------
+
 
 def test_seed_100b_params_in_fp32_are_400gb_and_adam_states_3x():
     """Seed, section 百亿模型实战 (M_params = N x 4 bytes): "100B 参数按 FP32 存储需要 400GB";
@@ -94,15 +118,19 @@ def test_allreduce_volume_7b_64_ranks_fp16_is_about_28gb():
     assert planner.allreduce_bytes(14e9, 1) == 0.0
 
 
-@pytest.mark.parametrize("schedule,v,expected", [
-    ("1f1b", 1, 3 / 19),  # seed (004): "4 stage 16 micro-batch：气泡率 = 3/19 ≈ 16%"
-    ("gpipe", 1, 3 / 19),  # same idle time as 1F1B (Narayanan et al. 2021), more memory
-    ("interleaved_1f1b", 2, 3 / 35),  # (p-1)/(v m + p - 1)
-    ("zbv", 2, 3 / 35),  # upper bound: interleaved form with the V's 2 stages per rank
-])
+@pytest.mark.parametrize(
+    "schedule,v,expected",
+    [
+        ("1f1b", 1, 3 / 19),  # seed (004): "4 stage 16 micro-batch：气泡率 = 3/19 ≈ 16%"
+        ("gpipe", 1, 3 / 19),  # same idle time as 1F1B (Narayanan et al. 2021), more memory
+        ("interleaved_1f1b", 2, 3 / 35),  # (p-1)/(v m + p - 1)
+        ("zbv", 2, 3 / 35),  # upper bound: interleaved form with the V's 2 stages per rank
+    ],
+)
 def test_bubble_fraction(schedule, v, expected):
-    s = ParallelShape(dp=1, tp=1, pp=4, microbatches=16, micro_batch=1, seq_len=128, schedule=schedule,
-                      virtual_stages=v)
+    s = ParallelShape(
+        dp=1, tp=1, pp=4, microbatches=16, micro_batch=1, seq_len=128, schedule=schedule, virtual_stages=v
+    )
     assert planner.bubble_fraction(s) == pytest.approx(expected)
     assert planner.bubble_fraction(ParallelShape(1, 1, 1, 16, 1, 128)) == 0.0
 
@@ -112,8 +140,10 @@ def test_bubble_fraction(schedule, v, expected):
 # Korthikanti et al. 2022, Table 3: GPT-3 175B (96 heads, h 12288, 96 layers, t 8, p 8) and
 # 530B (128 heads, h 20480, 105 layers, t 8, p 35); s = 2048, vocabulary 51200 (50257 padded to a
 # multiple of 128 x t, as Megatron does), tied embeddings, LayerNorm, GELU with f = 4h.
-PUBLISHED = [dict(name="gpt3_175b", a=96, h=12288, L=96, t=8, p=8),
-             dict(name="mt_nlg_530b", a=128, h=20480, L=105, t=8, p=35)]
+PUBLISHED = [
+    dict(name="gpt3_175b", a=96, h=12288, L=96, t=8, p=8),
+    dict(name="mt_nlg_530b", a=128, h=20480, L=105, t=8, p=35),
+]
 
 
 def megatron_weight_and_optimizer_bytes(h: int, L: int, V: int, t: int, p: int) -> float:
@@ -136,8 +166,9 @@ def megatron_activation_bytes(s: int, b: int, h: int, L: int, t: int, p: int, m:
 @pytest.mark.parametrize("cfg", PUBLISHED, ids=[c["name"] for c in PUBLISHED])
 def test_weights_and_optimizer_match_megatron(cfg):
     m = model(d_model=cfg["h"], n_heads=cfg["a"], n_layers=cfg["L"], d_ff=4 * cfg["h"], tie_embeddings=True)
-    s = ParallelShape(dp=1, tp=cfg["t"], pp=cfg["p"], microbatches=cfg["p"] * 2, micro_batch=1, seq_len=2048,
-                      sequence_parallel=True)
+    s = ParallelShape(
+        dp=1, tp=cfg["t"], pp=cfg["p"], microbatches=cfg["p"] * 2, micro_batch=1, seq_len=2048, sequence_parallel=True
+    )
     # Megatron's 18 bytes: bf16 params 2 + fp32 main grads 4 + fp32 master and moments 12
     prec = precision(param_dtype="bf16", compute_dtype="bf16", master_weights_fp32=True)
     mp = planner.memory_plan(m, s, prec, DEFAULTS.comm, preset("chip", "a100"), planner_cfg(grad_accum_fp32=True))
@@ -155,8 +186,9 @@ def test_weights_and_optimizer_match_megatron(cfg):
 def test_activations_match_megatron_and_korthikanti(cfg):
     s_len, b = 2048, 1
     m = model(d_model=cfg["h"], n_heads=cfg["a"], n_layers=cfg["L"], d_ff=4 * cfg["h"])
-    s = ParallelShape(dp=1, tp=cfg["t"], pp=cfg["p"], microbatches=2 * cfg["p"], micro_batch=b, seq_len=s_len,
-                      sequence_parallel=True)
+    s = ParallelShape(
+        dp=1, tp=cfg["t"], pp=cfg["p"], microbatches=2 * cfg["p"], micro_batch=b, seq_len=s_len, sequence_parallel=True
+    )
     prec = precision(param_dtype="bf16", compute_dtype="bf16")
     sbh = s_len * b * cfg["h"]
     # Table 2, "sequence parallelism + selective activation recomputation": 34 s b h / t per layer
@@ -205,8 +237,9 @@ def test_fsdp_divides_states_by_dp_as_zero3():
     prec = precision(param_dtype="bf16", compute_dtype="bf16", master_weights_fp32=True)
     chip = preset("chip", "a100")
     ddp = planner.memory_plan(m, ParallelShape(64, 1, 1, 1, 1, 4096), prec, DEFAULTS.comm, chip, DEFAULTS.planner)
-    fsdp = planner.memory_plan(m, ParallelShape(64, 1, 1, 1, 1, 4096, fsdp=True), prec, DEFAULTS.comm, chip,
-                               DEFAULTS.planner)
+    fsdp = planner.memory_plan(
+        m, ParallelShape(64, 1, 1, 1, 1, 4096, fsdp=True), prec, DEFAULTS.comm, chip, DEFAULTS.planner
+    )
     assert states(ddp) == pytest.approx(16 * m.n_params)
     assert states(fsdp) == pytest.approx(states(ddp) / 64)
     assert 7.5e9 * 16 / 1e9 == 120 and 7.5e9 * 16 / 64 / 1e9 == pytest.approx(1.9, abs=0.05)
@@ -218,8 +251,9 @@ def test_parallelism_divides_what_it_shards():
     chip, prec = preset("chip", "ascend910b"), precision(compute_dtype="bf16")
     base = planner.memory_plan(m, ParallelShape(1, 1, 1, 8, 1, 4096), prec, DEFAULTS.comm, chip, DEFAULTS.planner)
     tp8 = planner.memory_plan(m, ParallelShape(1, 8, 1, 8, 1, 4096), prec, DEFAULTS.comm, chip, DEFAULTS.planner)
-    sp8 = planner.memory_plan(m, ParallelShape(1, 8, 1, 8, 1, 4096, sequence_parallel=True), prec, DEFAULTS.comm,
-                              chip, DEFAULTS.planner)
+    sp8 = planner.memory_plan(
+        m, ParallelShape(1, 8, 1, 8, 1, 4096, sequence_parallel=True), prec, DEFAULTS.comm, chip, DEFAULTS.planner
+    )
     pp4 = planner.memory_plan(m, ParallelShape(1, 1, 4, 8, 1, 4096), prec, DEFAULTS.comm, chip, DEFAULTS.planner)
     # TP shards every matrix and the vocabulary; only the norms stay whole
     assert states(tp8) == pytest.approx(states(base) / 8, rel=0.001)
@@ -231,12 +265,21 @@ def test_parallelism_divides_what_it_shards():
 
 
 def test_activation_checkpointing_and_decomposed_attention():
-    kw = dict(d_model=4096, n_heads=32, n_layers=32, d_ff=11008, mlp="swiglu", norm="rmsnorm",
-              tie_embeddings=False, vocab_size=32000)
+    kw = dict(
+        d_model=4096,
+        n_heads=32,
+        n_layers=32,
+        d_ff=11008,
+        mlp="swiglu",
+        norm="rmsnorm",
+        tie_embeddings=False,
+        vocab_size=32000,
+    )
     chip, prec, s = preset("chip", "ascend910b"), precision(compute_dtype="bf16"), ParallelShape(1, 1, 1, 1, 1, 4096)
     plain = planner.memory_plan(model(**kw), s, prec, DEFAULTS.comm, chip, DEFAULTS.planner)
-    ckpt = planner.memory_plan(model(**kw, activation_checkpointing=True), s, prec, DEFAULTS.comm, chip,
-                               DEFAULTS.planner)
+    ckpt = planner.memory_plan(
+        model(**kw, activation_checkpointing=True), s, prec, DEFAULTS.comm, chip, DEFAULTS.planner
+    )
     dec = planner.memory_plan(model(**kw, attn_impl="decomposed"), s, prec, DEFAULTS.comm, chip, DEFAULTS.planner)
     sbh = 4096 * 4096
     head = 2 * 4 * 4096 * 32000 + 2 * sbh  # FP32 log-probs and their gradient + the head's input
@@ -337,6 +380,7 @@ def test_without_overlap_dp_buffers_and_collectives():
 
 # --- step time ----------------------------------------------------------------------------------
 
+
 def test_step_time_terms():
     m = ModelShape.of(preset("model", "llama2_7b"))
     chip, prec = preset("chip", "ascend910b"), precision(compute_dtype="bf16")
@@ -354,8 +398,13 @@ def test_step_time_terms():
     assert intra.dp_comm_s == pytest.approx(planner.allreduce_bytes(4 * m.n_params, 8) / 392e9)
     assert inter.dp_comm_s == pytest.approx(planner.allreduce_bytes(4 * m.n_params, 16) / 25e9)
     # overlap hides DP traffic behind the backward pass, never more than it
-    hidden = planner.combine(planner.step_parts(m, ParallelShape(16, 1, 1, 1, 1, 4096), prec, DEFAULTS.comm,
-                                                chip, planner_cfg(dp_overlap=0.8)), 0.5, 0.7)
+    hidden = planner.combine(
+        planner.step_parts(
+            m, ParallelShape(16, 1, 1, 1, 1, 4096), prec, DEFAULTS.comm, chip, planner_cfg(dp_overlap=0.8)
+        ),
+        0.5,
+        0.7,
+    )
     exposed = planner.combine(inter, 0.5, 0.7)
     assert hidden.step_time_s < exposed.step_time_s
     assert hidden.dp_exposed_s >= 0.2 * hidden.dp_comm_s - 1e-12
@@ -363,8 +412,9 @@ def test_step_time_terms():
     tp = planner.step_parts(m, ParallelShape(1, 8, 1, 4, 1, 4096), prec, DEFAULTS.comm, chip, pl)
     assert tp.tp_comm_s == pytest.approx(4 * planner.allreduce_bytes(4096 * 4096 * 2, 8) * 32 * 4 / 392e9)
     # a pipeline's bubble stretches compute: (p-1)/(m+p-1)
-    pp = planner.combine(planner.step_parts(m, ParallelShape(1, 1, 4, 16, 1, 4096), prec, DEFAULTS.comm, chip,
-                                            pl), 1.0, 1.0)
+    pp = planner.combine(
+        planner.step_parts(m, ParallelShape(1, 1, 4, 16, 1, 4096), prec, DEFAULTS.comm, chip, pl), 1.0, 1.0
+    )
     assert pp.compute_s == pytest.approx(16 * flops / 4 / (4 * 320e12) / (1 - 3 / 19))
 
 
@@ -409,15 +459,16 @@ def test_calibration_recovers_known_efficiencies_and_reports_its_error():
     assert cal.comm_efficiency == pytest.approx(0.55, rel=0.02)
     assert cal.collective_latency_us == pytest.approx(80, rel=0.05)
     assert cal.median_abs_rel_error < 0.005 and cal.spearman_rho == pytest.approx(1.0)
-    worse = planner.calibrate([planner.MeasuredTrial(t.run_id, t.cfg, t.step_time_s * (1.3 if i % 2 else 1.0))
-                               for i, t in enumerate(trials)], DEFAULTS.planner)
+    worse = planner.calibrate(
+        [planner.MeasuredTrial(t.run_id, t.cfg, t.step_time_s * (1.3 if i % 2 else 1.0)) for i, t in enumerate(trials)],
+        DEFAULTS.planner,
+    )
     assert worse.median_abs_rel_error > 0.05
 
 
 def test_true_and_held_out_step_times_are_apart():
     # the premise of the rank-order check below: noise of 5% cannot reorder these
-    truth = sorted(planner.combine(planner.trial_parts(llama7b_on_910b(*lay)), *TRUTH).step_time_s
-                   for lay in HELD_OUT)
+    truth = sorted(planner.combine(planner.trial_parts(llama7b_on_910b(*lay)), *TRUTH).step_time_s for lay in HELD_OUT)
     assert all(b / a >= 1.5 for a, b in zip(truth, truth[1:])), truth
     assert not set(FIT) & set(HELD_OUT)
 
@@ -484,6 +535,7 @@ def test_spearman_rho():
 
 # --- operator coverage on meta tensors -------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["gpt_tiny", "llama2_7b"])
 def test_op_coverage_against_ascend910b_on_meta(compose_cfg, name):
     cfg = compose_cfg(["+chip=ascend910b", f"model={name}", "precision=bf16"])
@@ -515,8 +567,17 @@ def test_llama2_70b_ops_are_captured_on_meta():
 def test_a_chip_without_fused_attention_gets_it_mapped_and_still_trains(compose_cfg):
     from trainers.loop import train
 
-    cfg = compose_cfg(["+chip=cpu", "trainer=smoke", "trainer.steps=8", "trainer.global_batch=8",
-                       "trainer.micro_batch=4", "trainer.seq_len=32", "data.num_workers=1"])
+    cfg = compose_cfg(
+        [
+            "+chip=cpu",
+            "trainer=smoke",
+            "trainer.steps=8",
+            "trainer.global_batch=8",
+            "trainer.micro_batch=4",
+            "trainer.seq_len=32",
+            "data.num_workers=1",
+        ]
+    )
     cfg.chip.unsupported_ops = ["aten::_scaled_dot_product_flash_attention*"]
     cfg.chip.decompositions = {"aten::_scaled_dot_product_": "model.attn_impl=decomposed"}
     report = planner.preflight(cfg)
@@ -572,9 +633,18 @@ def test_probe_grades_ops_on_a_real_device():
 
 # --- preflight, layouts, calibration from MLflow -----------------------------------------------
 
+
 def test_preflight_rejects_what_does_not_fit(compose_cfg):
-    cfg = compose_cfg(["+chip=ascend910b", "model=llama2_70b", "precision=bf16", "trainer.micro_batch=1",
-                       "trainer.global_batch=8", "trainer.seq_len=4096"])
+    cfg = compose_cfg(
+        [
+            "+chip=ascend910b",
+            "model=llama2_70b",
+            "precision=bf16",
+            "trainer.micro_batch=1",
+            "trainer.global_batch=8",
+            "trainer.seq_len=4096",
+        ]
+    )
     report = planner.preflight(cfg)
     json.dumps(report)
     assert not report["feasible"] and not report["fits"]
@@ -585,8 +655,15 @@ def test_preflight_rejects_what_does_not_fit(compose_cfg):
 
 
 def test_planning_ignores_what_the_trainer_cannot_run_yet(compose_cfg):
-    cfg = compose_cfg(["+chip=ascend910b", "model=llama2_13b", "parallel=tp8pp4", "trainer.global_batch=64",
-                       "parallel.microbatches=16"])
+    cfg = compose_cfg(
+        [
+            "+chip=ascend910b",
+            "model=llama2_13b",
+            "parallel=tp8pp4",
+            "trainer.global_batch=64",
+            "parallel.microbatches=16",
+        ]
+    )
     assert planner.planning_errors(cfg) == []  # 32 NPUs on 4 nodes: a plan, not a launch
     broken = compose_cfg(["+chip=ascend910b", "model=llama2_13b", "parallel.tp=3"])
     assert "parallel.tp=3 does not divide model.n_heads=40" in planner.planning_errors(broken)
@@ -611,8 +688,15 @@ def test_calibration_from_measured_trials_in_mlflow_predicts_a_held_out_layout(c
     # one intra-op thread per worker, as torch's elastic launcher gives each of several workers:
     # a lone worker would otherwise take every core, and on a loaded host its threads contend
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    common = ["+chip=cpu", "trainer=smoke", "trainer.steps=6", "trainer.seq_len=32", "data=synthetic",
-              "data.num_workers=0", f"tracking.uri={mlflow_uri}"]
+    common = [
+        "+chip=cpu",
+        "trainer=smoke",
+        "trainer.steps=6",
+        "trainer.seq_len=32",
+        "data=synthetic",
+        "data.num_workers=0",
+        f"tracking.uri={mlflow_uri}",
+    ]
     cfg = compose_cfg(common)
     single = trial.run(cfg, [], progress=False)
     dp2 = trial.run(compose_cfg([*common, "parallel=dp2"]), ["parallel=dp2"], progress=False)
@@ -643,15 +727,24 @@ def test_calibration_from_measured_trials_in_mlflow_predicts_a_held_out_layout(c
     assert run["run_id"] == dp2["run_id"] and run["measured_s"] == pytest.approx(held[0].step_time_s)
     assert run["predicted_s"] == pytest.approx(planner.predict(cal, held[0].cfg)) and run["predicted_s"] > 0
     assert math.isfinite(h.median_abs_rel_error)
-    print(f"\nheld-out dp2: measured {run['measured_s']:.4f} s, predicted {run['predicted_s']:.4f} s, "
-          f"error {100 * run['rel_error']:.0f}%")
+    print(
+        f"\nheld-out dp2: measured {run['measured_s']:.4f} s, predicted {run['predicted_s']:.4f} s, "
+        f"error {100 * run['rel_error']:.0f}%"
+    )
 
 
 # --- the CLI --------------------------------------------------------------------------------------
 
+
 def plan_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.plan", *args], cwd=ROOT, env=cli_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "orchestrator.plan", *args],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_cli_plans_every_layout_of_32_devices_as_json():
@@ -672,18 +765,27 @@ def test_cli_plans_every_layout_of_32_devices_as_json():
 
 
 def test_cli_plans_the_composed_layout_as_a_table():
-    proc = plan_cli("+chip=ascend910b", "model=llama2_7b", "parallel=tp8pp4", "parallel.microbatches=8",
-                    "trainer.global_batch=32", "model.tie_embeddings=false")
+    proc = plan_cli(
+        "+chip=ascend910b",
+        "model=llama2_7b",
+        "parallel=tp8pp4",
+        "parallel.microbatches=8",
+        "trainer.global_batch=32",
+        "model.tie_embeddings=false",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dp1tp8pp4" in proc.stdout and "coverage" in proc.stdout and "replacement rate" in proc.stdout
     assert "model.attn_impl=decomposed" in proc.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["parallel.tpp=2"], "parallel.tpp"),
-    (["model=llama2_13", "--devices", "8"], "model/llama2_13"),
-    (["+chip=ascend910b", "model=llama2_13b", "parallel.tp=3"], "parallel.tp=3 does not divide model.n_heads=40"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["parallel.tpp=2"], "parallel.tpp"),
+        (["model=llama2_13", "--devices", "8"], "model/llama2_13"),
+        (["+chip=ascend910b", "model=llama2_13b", "parallel.tp=3"], "parallel.tp=3 does not divide model.n_heads=40"),
+    ],
+)
 def test_cli_bad_overrides_exit_2_with_one_line_each(args, needle):
     proc = plan_cli(*args)
     assert proc.returncode == 2, proc.stdout + proc.stderr

@@ -1,5 +1,6 @@
 """Loss scaling: overflow skips the step and (dynamic) backs off, clean steps grow the scale, a
 static scale never moves; the optimizer gets 1/scale times the clipping coefficient."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """bf16 and fp16 (with dynamic loss scaling) train gpt_tiny to within a band of fp32.
 
 Band: the mean of the last 5 of 20 losses within 3% of fp32's (measured: about 1%)."""
+
 from __future__ import annotations
 
 import pytest
@@ -8,8 +9,14 @@ import pytest
 from orchestrator import trial
 from trainers.loop import train
 
-COMMON = ["+chip=cpu", "trainer.steps=20", "trainer.global_batch=8", "trainer.micro_batch=8", "trainer.seq_len=64",
-          "data.num_workers=0"]
+COMMON = [
+    "+chip=cpu",
+    "trainer.steps=20",
+    "trainer.global_batch=8",
+    "trainer.micro_batch=8",
+    "trainer.seq_len=64",
+    "data.num_workers=0",
+]
 
 
 def _tail(compose_cfg, precision):
@@ -30,6 +37,11 @@ def test_compile_runs_the_same_model(compose_cfg):
     """torch.compile per block (aot_eager here: graph capture without a C++ toolchain in the
     loop); the losses match eager within fp32 noise."""
     eager = train(trial.build_spec(trial.prepare(compose_cfg([*COMMON, "trainer.steps=3"]))))["losses"]
-    compiled = train(trial.build_spec(trial.prepare(compose_cfg(
-        [*COMMON, "trainer.steps=3", "trainer.compile=true", "trainer.compile_backend=aot_eager"]))))["losses"]
+    compiled = train(
+        trial.build_spec(
+            trial.prepare(
+                compose_cfg([*COMMON, "trainer.steps=3", "trainer.compile=true", "trainer.compile_backend=aot_eager"])
+            )
+        )
+    )["losses"]
     assert compiled == pytest.approx(eager, rel=1e-4)

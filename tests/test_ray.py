@@ -4,6 +4,7 @@ Three tests, two clusters (a Ray cluster takes ~5 s to start and each trial's wo
 two cores): a sweep that queues on a local cluster started by the launcher itself, then a
 `ray start --head` cluster shared by a crashing sweep and a `ray job submit`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -23,8 +24,14 @@ pytestmark = pytest.mark.ray
 
 STEPS = 6
 # 2-rank trials, one CPU per rank; log every step, so the loss timestamps trace when a trial ran
-COMMON = ["+chip=cpu", "parallel=dp2", "trainer=smoke", f"trainer.steps={STEPS}", "trainer.log_every=1",
-          "data.num_workers=0"]
+COMMON = [
+    "+chip=cpu",
+    "parallel=dp2",
+    "trainer=smoke",
+    f"trainer.steps={STEPS}",
+    "trainer.log_every=1",
+    "data.num_workers=0",
+]
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
@@ -41,8 +48,9 @@ def _sweep(runs):
 
 def test_a_sweep_queues_on_a_local_cluster_and_nests_its_runs(tmp_path):
     """3 trials of 2 ranks on a local cluster of 4 CPUs: two run at a time, the third queues."""
-    proc = run_cli(["-m", "hydra/launcher=ray", *COMMON, "trainer.seed=1,2,3", "launch.ray.num_cpus=4"],
-                   cwd=tmp_path, timeout=600)
+    proc = run_cli(
+        ["-m", "hydra/launcher=ray", *COMMON, "trainer.seed=1,2,3", "launch.ray.num_cpus=4"], cwd=tmp_path, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     uri = "sqlite:///" + str(tmp_path / "mlruns.db")
     parent, children = _sweep(search_runs(uri))
@@ -75,11 +83,27 @@ def ray_head(tmp_path_factory):
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [RAY, "start", "--head", "--block", "--num-cpus=4", "--node-ip-address=127.0.0.1", f"--port={port}",
-             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}",
-             f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
-             "--disable-usage-stats"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(log.parent), start_new_session=True)
+            [
+                RAY,
+                "start",
+                "--head",
+                "--block",
+                "--num-cpus=4",
+                "--node-ip-address=127.0.0.1",
+                f"--port={port}",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dashboard}",
+                f"--dashboard-agent-listen-port={free_port()}",
+                f"--ray-client-server-port={free_port()}",
+                "--disable-usage-stats",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(log.parent),
+            start_new_session=True,
+        )
     try:
         deadline = time.time() + 180
         while "Ray runtime started" not in log.read_text():
@@ -107,9 +131,20 @@ def _forget(port: int) -> None:
 def test_a_crashing_trial_fails_alone_and_the_sweep_goes_on(tmp_path, ray_head):
     """launch.max_failures=0: the killed trial is recorded crash with its reason; the other finishes.
     Joins the running cluster through RAY_ADDRESS."""
-    proc = run_cli(["-m", "hydra/launcher=ray", *COMMON, "launch.max_failures=0",
-                    "trainer.fault.kill_rank=-1,1", "trainer.fault.at_step=3"],
-                   cwd=tmp_path, timeout=600, RAY_ADDRESS=ray_head["address"], RAY_AUTH_MODE="token")
+    proc = run_cli(
+        [
+            "-m",
+            "hydra/launcher=ray",
+            *COMMON,
+            "launch.max_failures=0",
+            "trainer.fault.kill_rank=-1,1",
+            "trainer.fault.at_step=3",
+        ],
+        cwd=tmp_path,
+        timeout=600,
+        RAY_ADDRESS=ray_head["address"],
+        RAY_AUTH_MODE="token",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     uri = "sqlite:///" + str(tmp_path / "mlruns.db")
     parent, children = _sweep(search_runs(uri))
@@ -131,9 +166,27 @@ def test_ray_job_submit_runs_a_trial_on_the_cluster(tmp_path, ray_head):
     env = cli_env(RAY_AUTH_MODE="token")
     env.pop("PYTHONPATH", None)
     proc = subprocess.run(
-        [RAY, "job", "submit", "--address", ray_head["dashboard"], "--working-dir", str(ROOT), "--",
-         "python", "-m", "orchestrator", *COMMON, f"tracking.uri={uri}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        [
+            RAY,
+            "job",
+            "submit",
+            "--address",
+            ray_head["dashboard"],
+            "--working-dir",
+            str(ROOT),
+            "--",
+            "python",
+            "-m",
+            "orchestrator",
+            *COMMON,
+            f"tracking.uri={uri}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "trial on Ray: 2 worker(s)" in proc.stdout + proc.stderr
     runs = search_runs(uri)

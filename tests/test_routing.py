@@ -1,4 +1,5 @@
 """Which launch path a trial takes, and how its workers ask Ray for devices (no cluster started)."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,10 +34,13 @@ def test_a_cluster_address_sends_every_trial_to_ray(compose_cfg, monkeypatch):
     assert resolve(compose_cfg(["+chip=cpu"]), launcher="local").path == "local"
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["launch.nnodes=2"], "launch.nnodes=2"),
-    (["parallel=dp8", "trainer.micro_batch=2", "chip.devices_per_node=4"], "needs 2 nodes of chip=cpu"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["launch.nnodes=2"], "launch.nnodes=2"),
+        (["parallel=dp8", "trainer.micro_batch=2", "chip.devices_per_node=4"], "needs 2 nodes of chip=cpu"),
+    ],
+)
 def test_a_multi_node_trial_needs_a_cluster(compose_cfg, monkeypatch, overrides, key):
     cfg = compose_cfg(["+chip=cpu", *overrides])
     with pytest.raises(ConfigError) as info:
@@ -85,10 +89,13 @@ def test_a_failed_worker_group_is_explained_by_its_first_real_error():
     class NonFiniteError(RuntimeError):
         pass
 
-    err = WorkerGroupError("2 workers failed", {
-        0: RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer."),
-        1: NonFiniteError("Traceback ...\nnon-finite gradient norm at step 4"),
-    })
+    err = WorkerGroupError(
+        "2 workers failed",
+        {
+            0: RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: Connection reset by peer."),
+            1: NonFiniteError("Traceback ...\nnon-finite gradient norm at step 4"),
+        },
+    )
     reason = ray_trial.failure_reason(err)
     assert reason == "rank 1: NonFiniteError: non-finite gradient norm at step 4"
     from orchestrator.launch import classify
@@ -103,8 +110,9 @@ def test_a_ray_sweep_job_finds_its_board_slot_in_its_hydra_config():
 
     from orchestrator import ray_sweep
 
-    hc = OmegaConf.create({"launcher": {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"},
-                           "job": {"num": 4}})
+    hc = OmegaConf.create(
+        {"launcher": {"_target_": "hydra._internal.core_plugins.basic_launcher.BasicLauncher"}, "job": {"num": 4}}
+    )
     OmegaConf.set_struct(hc, True)
     assert ray_sweep.board_slot(hc) is None
     hc = OmegaConf.create({"launcher": {"_target_": "x", "board": "sweep-board-1"}, "job": {"num": 4}})

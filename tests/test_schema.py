@@ -6,6 +6,7 @@ itself), that the validator does not pin to the values it can honour, and that i
 planner's documented assumptions (``planner.*``) or a label. What each key does is tested where
 the key lives (tests/test_knobs.py and the component tests); this is the net under all of them.
 """
+
 from __future__ import annotations
 
 import ast
@@ -25,8 +26,16 @@ SCHEMA_FILES = {ROOT / "trainers" / "config.py", ROOT / "orchestrator" / "config
 TRAINER_SECTIONS = ("model", "parallel", "precision", "comm", "data", "trainer")
 # keys of the trainer's sections that the control plane turns into something the workers get
 # (backend environment, the runtime) or records; the trainer never reads them itself
-READ_BY_CONTROL_PLANE = {"comm.buffsize_mb", "comm.nccl_buffsize_mb", "comm.env", "comm.timeout_s",
-                         "model.name", "precision.name", "comm.name", "trainer.optimizer"}
+READ_BY_CONTROL_PLANE = {
+    "comm.buffsize_mb",
+    "comm.nccl_buffsize_mb",
+    "comm.env",
+    "comm.timeout_s",
+    "model.name",
+    "precision.name",
+    "comm.name",
+    "trainer.optimizer",
+}
 
 
 def leaf_keys(cls=Config, prefix=""):
@@ -50,8 +59,13 @@ def _names_read(paths):
                 names.add(node.attr)
             elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
                 names.add(str(node.slice.value))
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
-                    and node.args and isinstance(node.args[0], ast.Constant):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
                 names.add(str(node.args[0].value))
     return names
 

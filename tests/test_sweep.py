@@ -1,5 +1,6 @@
 """A multirun with Hydra's basic launcher is a parent MLflow run too, its trials nested under it
 (the sweep callback serves both launchers); a point that breaks a rule is recorded in the sweep."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,8 +11,9 @@ pytestmark = pytest.mark.distributed
 
 
 def test_a_basic_multirun_nests_its_trials_under_a_parent_run(tmp_path):
-    proc = run_cli(["-m", "+chip=cpu", "trainer=smoke", "trainer.steps=3", "data.num_workers=0",
-                    "parallel.tp=1,3"], cwd=tmp_path)
+    proc = run_cli(
+        ["-m", "+chip=cpu", "trainer=smoke", "trainer.steps=3", "data.num_workers=0", "parallel.tp=1,3"], cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     uri = "sqlite:///" + str(tmp_path / "mlruns.db")
     runs = search_runs(uri)

@@ -2,6 +2,7 @@
 
 These start real torch.distributed (gloo) worker processes and a real MLflow sqlite store.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,14 @@ from trainers.loop import train
 pytestmark = pytest.mark.distributed
 
 STEPS = 12
-COMMON = ["trainer=smoke", f"trainer.steps={STEPS}", "trainer.global_batch=8", "trainer.micro_batch=2",
-          "trainer.log_every=5", "data.num_workers=1"]
+COMMON = [
+    "trainer=smoke",
+    f"trainer.steps={STEPS}",
+    "trainer.global_batch=8",
+    "trainer.micro_batch=2",
+    "trainer.log_every=5",
+    "data.num_workers=1",
+]
 
 
 def _run(compose_cfg, mlflow_uri, overrides):
@@ -71,8 +78,10 @@ def test_cli_trains_and_mlflow_records_the_run(tmp_path):
 
     files = {a.path for a in MlflowClient(uri).list_artifacts(run.info.run_id)}
     assert {"config.yaml", "overrides.txt"} <= files
-    config = OmegaConf.create(MlflowClient(uri).download_artifacts(run.info.run_id, "config.yaml", str(tmp_path)) and
-                              (tmp_path / "config.yaml").read_text())
+    config = OmegaConf.create(
+        MlflowClient(uri).download_artifacts(run.info.run_id, "config.yaml", str(tmp_path))
+        and (tmp_path / "config.yaml").read_text()
+    )
     assert config.chip.name == "cpu" and config.trainer.steps == 30
 
 
@@ -87,8 +96,11 @@ def test_emulated_chip_runs_on_cpu_and_is_tagged(compose_cfg, mlflow_uri):
 
 def test_a_crashing_trial_is_recorded_failed_with_its_reason(tmp_path):
     uri = "sqlite:///" + str(tmp_path / "runs.db")
-    proc = run_cli([*COMMON, "parallel=dp2", "trainer.fault.kill_rank=1", "trainer.fault.at_step=3"],
-                   cwd=tmp_path, MLFLOW_TRACKING_URI=uri)
+    proc = run_cli(
+        [*COMMON, "parallel=dp2", "trainer.fault.kill_rank=1", "trainer.fault.at_step=3"],
+        cwd=tmp_path,
+        MLFLOW_TRACKING_URI=uri,
+    )
     assert proc.returncode == 1, proc.stderr[-2000:]
     run = search_runs(uri)[0]
     assert run.info.status == "FAILED"
@@ -122,8 +134,11 @@ def test_preflight_is_recorded_beside_the_measurement(compose_cfg, mlflow_uri):
 def test_an_infeasible_trial_is_recorded_and_not_launched(tmp_path):
     """llama2_70b on one emulated 910B: the planner refuses it before any process starts."""
     uri = "sqlite:///" + str(tmp_path / "runs.db")
-    proc = run_cli(["+chip=ascend910b", "chip.emulate=true", "model=llama2_70b", "trainer.seq_len=256"],
-                   cwd=tmp_path, MLFLOW_TRACKING_URI=uri)
+    proc = run_cli(
+        ["+chip=ascend910b", "chip.emulate=true", "model=llama2_70b", "trainer.seq_len=256"],
+        cwd=tmp_path,
+        MLFLOW_TRACKING_URI=uri,
+    )
     assert proc.returncode == 1
     run = search_runs(uri)[0]
     assert run.data.tags["trial.status"] == "infeasible"

@@ -3,6 +3,7 @@
 The CLI cases run the real `python -m orchestrator` in a subprocess; the in-process cases check
 that every broken rule of one config is reported at once.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -66,8 +67,17 @@ def test_broken_config_exits_2_naming_the_key(tmp_path, overrides, key):
 
 
 def test_every_broken_rule_is_reported_at_once(compose_cfg):
-    cfg = compose_cfg(["+chip=cpu", "parallel=dp2", "trainer.global_batch=9", "model.n_heads=3",
-                       "comm.bucket_mb=0", "comm.timeout_s=-1", "trainer.seq_len=1024"])
+    cfg = compose_cfg(
+        [
+            "+chip=cpu",
+            "parallel=dp2",
+            "trainer.global_batch=9",
+            "model.n_heads=3",
+            "comm.bucket_mb=0",
+            "comm.timeout_s=-1",
+            "trainer.seq_len=1024",
+        ]
+    )
     with pytest.raises(ConfigError) as info:
         prepare(cfg)
     lines = info.value.errors
@@ -79,7 +89,7 @@ def test_every_broken_rule_is_reported_at_once(compose_cfg):
 def test_one_line_per_rule_and_no_traceback(tmp_path):
     proc = run_cli(["+chip=cpu", "comm.bucket_mb=0", "trainer.steps=0"], cwd=tmp_path)
     assert proc.returncode == 2
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == ["error: trainer.steps=0: must be positive", "error: comm.bucket_mb=0.0: must be positive"]
 
 

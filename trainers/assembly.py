@@ -11,6 +11,7 @@ parallelism as ``rules.dp_wrapping`` says, and how one optimizer step's forward 
   neighbouring blocks' compute); off: one unit for the whole stage (``fully_shard`` of the
   stage root only): one all-gather before the forward, one reduce-scatter after the backward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -89,10 +90,20 @@ class RankModel:
             # (reshard_after_forward=False), so nothing is re-gathered mid-backward either
             return fully_shard(m, mesh=self.mesh.sub("dp"), reshard_after_forward=False)
         if self.wrapping == "ddp" and self.comm.overlap:
-            ddp = DDP(m, process_group=self.mesh.group("dp"), bucket_cap_mb=float(self.comm.bucket_mb),
-                      device_ids=[self.device.index] if self.device.type in ("cuda", "npu") else None)
-            stats = comm_mod.register(ddp, self.comm.compression, self.mesh.group("dp"), self.sync,
-                                      topk_ratio=float(self.comm.topk_ratio), powersgd_rank=int(self.comm.powersgd_rank))
+            ddp = DDP(
+                m,
+                process_group=self.mesh.group("dp"),
+                bucket_cap_mb=float(self.comm.bucket_mb),
+                device_ids=[self.device.index] if self.device.type in ("cuda", "npu") else None,
+            )
+            stats = comm_mod.register(
+                ddp,
+                self.comm.compression,
+                self.mesh.group("dp"),
+                self.sync,
+                topk_ratio=float(self.comm.topk_ratio),
+                powersgd_rank=int(self.comm.powersgd_rank),
+            )
             self.comm_stats = stats or self.comm_stats
             return ddp
         return m
@@ -100,10 +111,16 @@ class RankModel:
     def _build_schedule(self):
         from torch.distributed import pipelining as pl
 
-        stages = [pl.PipelineStage(m, sid, self.n_stages, self.device, group=self.mesh.group("pp"))
-                  for sid, m in zip(self.stage_ids, self.wrapped)]
-        cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B,
-               "interleaved_1f1b": pl.ScheduleInterleaved1F1B, "zbv": pl.ScheduleZBVZeroBubble}[self.p.schedule]
+        stages = [
+            pl.PipelineStage(m, sid, self.n_stages, self.device, group=self.mesh.group("pp"))
+            for sid, m in zip(self.stage_ids, self.wrapped)
+        ]
+        cls = {
+            "gpipe": pl.ScheduleGPipe,
+            "1f1b": pl.Schedule1F1B,
+            "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+            "zbv": pl.ScheduleZBVZeroBubble,
+        }[self.p.schedule]
 
         def loss_fn(logits, target):
             return self.scaler.scale_loss(cross_entropy(logits, target))
@@ -145,14 +162,17 @@ class RankModel:
                     self.scaler.scale_loss(loss).backward()
                 loss_acc += loss.detach()
         else:
-            (x, y), = batches
+            ((x, y),) = batches
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             losses: List[torch.Tensor] = []
             args = (x,) if self.has_first else ()
             with autocast(self.pargs, self.device):
                 self.schedule.step(*args, target=y if self.has_last else None, losses=losses if self.has_last else None)
-            loss_acc = (torch.stack([l.detach().float() for l in losses]).mean() / self.scaler.scale
-                        if self.has_last else torch.zeros((), device=self.device))
+            loss_acc = (
+                torch.stack([x.detach().float() for x in losses]).mean() / self.scaler.scale
+                if self.has_last
+                else torch.zeros((), device=self.device)
+            )
         if self.reduce_after_backward:
             comm_mod.allreduce_after_backward(self.params, self.mesh.group("dp"), self.comm.bucket_mb, self.sync)
         return loss_acc
@@ -177,7 +197,7 @@ class RankModel:
                                 losses.append(loss)
             if not losses:
                 return torch.zeros((), device=self.device)
-            return torch.stack([l.float() for l in losses]).mean()
+            return torch.stack([x.float() for x in losses]).mean()
         finally:
             self.train(True)
 
@@ -188,8 +208,11 @@ class RankModel:
         backward-input actions there and fails, so one path serves every schedule. Every rank
         walks the stages in the same order, so each send meets its recv."""
         group, me = self.mesh.group("pp"), self.mesh.pp_rank
-        owner = {sid: r for r in range(self.p.pp)
-                 for sid in rules.stage_ids(self.p.pp, self.p.schedule, self.p.virtual_stages, r)}
+        owner = {
+            sid: r
+            for r in range(self.p.pp)
+            for sid in rules.stage_ids(self.p.pp, self.p.schedule, self.p.virtual_stages, r)
+        }
         mine = dict(zip(self.stage_ids, self.wrapped))
         h: torch.Tensor = x
         for s in range(self.n_stages):

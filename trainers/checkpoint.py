@@ -8,6 +8,7 @@ listed sizes counts: a crash mid-write, or a truncated file, falls back to the p
 State-dict keys are the whole model's parameter names, so a checkpoint taken with one parallel
 layout loads into another (DCP reshards). The folder must be on storage every rank can reach.
 """
+
 from __future__ import annotations
 
 import json
@@ -69,8 +70,9 @@ def _optim_state(parts: List[torch.nn.Module], optims: List[torch.optim.Optimize
     return state
 
 
-def save(root: str, step: int, parts: List[torch.nn.Module], optims: List[torch.optim.Optimizer],
-         extra: Dict[str, Any]) -> Path:
+def save(
+    root: str, step: int, parts: List[torch.nn.Module], optims: List[torch.optim.Optimizer], extra: Dict[str, Any]
+) -> Path:
     """Collective: every rank calls it. ``step`` is the number of steps done. Returns the folder."""
     import torch.distributed.checkpoint as dcp
 

@@ -11,6 +11,7 @@ Gradient Compression"). Safe range for ``comm.topk_ratio``: 0.01 to 0.3. Below 0
 grows for many steps before it is sent and the loss lags dense training; above ~0.3 an
 all-gather of values and indices moves more bytes than the dense all-reduce it replaces.
 """
+
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
@@ -118,11 +119,13 @@ def _counted(hook, sync: GradSyncStats):
     def counted(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         sync.note()
         return hook(state, bucket)
+
     return counted
 
 
-def register(ddp, compression: str, group, sync: GradSyncStats, *, topk_ratio: float = 0.1,
-             powersgd_rank: int = 4) -> Optional[CommStats]:
+def register(
+    ddp, compression: str, group, sync: GradSyncStats, *, topk_ratio: float = 0.1, powersgd_rank: int = 4
+) -> Optional[CommStats]:
     """Install the communication hook for ``compression`` on a DDP module (``none``: DDP's plain
     all-reduce, averaged over the group); returns the byte counters of a compressed one."""
     world = dist.get_world_size(group)
@@ -140,8 +143,13 @@ def register(ddp, compression: str, group, sync: GradSyncStats, *, topk_ratio: f
     elif compression == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-        state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=powersgd_rank,
-                                   start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+        state = psgd.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=powersgd_rank,
+            start_powerSGD_iter=2,
+            use_error_feedback=True,
+            warm_start=True,
+        )
         ddp.register_comm_hook(state, _counted(psgd.powerSGD_hook, sync))
         return None  # PowerSGD's own volume depends on its per-tensor rank decisions: not counted
     else:
@@ -167,8 +175,9 @@ def buckets(params: Iterable[torch.nn.Parameter], bucket_mb: float) -> List[List
 
 
 @torch.no_grad()
-def allreduce_after_backward(params: Iterable[torch.nn.Parameter], group, bucket_mb: float,
-                             sync: GradSyncStats) -> None:
+def allreduce_after_backward(
+    params: Iterable[torch.nn.Parameter], group, bucket_mb: float, sync: GradSyncStats
+) -> None:
     """``comm.overlap=false``: average the gradients over ``group`` once the whole backward has
     run, one flat all-reduce per bucket of ``comm.bucket_mb`` (all issued, then waited on)."""
     world = dist.get_world_size(group)

@@ -10,6 +10,7 @@ Keys that only the planner reads live in ``orchestrator/config.py`` (``planner.*
 either changes what the trainer runs, or the validator (``orchestrator/validate.py``) refuses the
 values it cannot honour. ``tests/test_schema.py`` walks every leaf key and holds the code to that.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass

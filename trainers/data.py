@@ -5,18 +5,19 @@ worker processes and prefetch. The order is a pure function of (seed, step), so 
 from any step by starting the sampler there, and ``dp=2`` sees exactly the sequences that
 ``dp=1`` sees in the same step.
 """
+
 from __future__ import annotations
 
 import hashlib
 import os
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
 from trainers.config import DataConfig
 
 
@@ -40,7 +41,9 @@ def stdlib_corpus(cache_dir: Optional[str] = None, max_mb: int = 16) -> Path:
     reader never sees half of it.
     """
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    key = hashlib.sha256(f"{sysconfig.get_python_version()}|{sysconfig.get_paths()['stdlib']}|{max_mb}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(
+        f"{sysconfig.get_python_version()}|{sysconfig.get_paths()['stdlib']}|{max_mb}".encode()
+    ).hexdigest()[:12]
     out = cache / f"stdlib-bytes-{key}.u16"
     if out.is_file():
         return out
@@ -108,7 +111,9 @@ class StepSampler(Sampler[int]):
     ``r``-th contiguous ``G / dp`` of them.
     """
 
-    def __init__(self, n: int, global_batch: int, dp_rank: int, dp_size: int, seed: int, steps: int, start_step: int = 0):
+    def __init__(
+        self, n: int, global_batch: int, dp_rank: int, dp_size: int, seed: int, steps: int, start_step: int = 0
+    ):
         if n <= 0:
             raise ValueError("the dataset has no full window; lower trainer.seq_len or use a larger corpus")
         self.n, self.G, self.rank, self.dp, self.seed = n, global_batch, dp_rank, dp_size, seed
@@ -147,22 +152,45 @@ def prepare(args: DataConfig) -> None:
 
 
 def build_loader(
-    args: DataConfig, *, seq_len: int, vocab_size: int, seed: int, global_batch: int, micro_batch: int,
-    dp_rank: int, dp_size: int, steps: int, start_step: int = 0, pin_memory: bool = False,
+    args: DataConfig,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    global_batch: int,
+    micro_batch: int,
+    dp_rank: int,
+    dp_size: int,
+    steps: int,
+    start_step: int = 0,
+    pin_memory: bool = False,
 ) -> DataLoader:
     ds = build_dataset(args, seq_len, vocab_size, seed)
     sampler = StepSampler(len(ds), global_batch, dp_rank, dp_size, seed, steps, start_step)
     workers = max(0, args.num_workers)
     return DataLoader(
-        ds, batch_size=micro_batch, sampler=sampler, drop_last=False, num_workers=workers,
-        prefetch_factor=args.prefetch_factor if workers else None, pin_memory=pin_memory,
+        ds,
+        batch_size=micro_batch,
+        sampler=sampler,
+        drop_last=False,
+        num_workers=workers,
+        prefetch_factor=args.prefetch_factor if workers else None,
+        pin_memory=pin_memory,
         persistent_workers=False,
     )
 
 
 def build_val_loader(
-    args: DataConfig, *, seq_len: int, vocab_size: int, seed: int, global_batch: int, micro_batch: int,
-    dp_rank: int, dp_size: int, batches: int,
+    args: DataConfig,
+    *,
+    seq_len: int,
+    vocab_size: int,
+    seed: int,
+    global_batch: int,
+    micro_batch: int,
+    dp_rank: int,
+    dp_size: int,
+    batches: int,
 ) -> DataLoader:
     """The held-out split (the tail ``data.val_fraction`` of the corpus; other seeds for synthetic
     tokens): the same ``batches`` global batches at every evaluation, each data-parallel rank
@@ -170,5 +198,11 @@ def build_val_loader(
     batches), with its own generator, so evaluating draws nothing from the training RNG."""
     ds = build_dataset(args, seq_len, vocab_size, seed, split="val")
     sampler = StepSampler(len(ds), global_batch, dp_rank, dp_size, seed, batches)
-    return DataLoader(ds, batch_size=micro_batch, sampler=sampler, drop_last=False, num_workers=0,
-                      generator=torch.Generator().manual_seed(seed))
+    return DataLoader(
+        ds,
+        batch_size=micro_batch,
+        sampler=sampler,
+        drop_last=False,
+        num_workers=0,
+        generator=torch.Generator().manual_seed(seed),
+    )

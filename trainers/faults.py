@@ -1,5 +1,6 @@
 """Chaos drills (``trainer.fault.*``): a rank killed at a step, a NaN or an fp16 overflow
 injected into one block's output at a step."""
+
 from __future__ import annotations
 
 import os
@@ -34,6 +35,7 @@ def _inject_hook(trainer_step: List[int], at_step: int, inject: str):
         if inject == "overflow":
             return (output * 1e5).to(torch.float16).to(output.dtype)
         return output + float("nan")
+
     return hook
 
 

@@ -6,6 +6,7 @@ leave through ``reporter`` on rank 0 only. The model's assembly (stages, wrappin
 ``trainers/assembly.py``, the optimizer ``trainers/optim.py``, the chaos drills
 ``trainers/faults.py``.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainers import checkpoint as ckpt
 from trainers import data as data_mod
-from trainers import faults, optim as optim_mod, rules
+from trainers import faults, rules
+from trainers import optim as optim_mod
 from trainers.assembly import RankModel
 from trainers.config import TrialSpec
 from trainers.memory import model_state_bytes
@@ -58,12 +60,19 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     faults.install_injection(model.modules, targs.fault, step_ref)
     tracker = FiniteTracker(model.modules, device)  # after the drill's hook: it sees its output
     monitor = PrecisionMonitor(model.modules, pargs.monitor)
-    profiler = Profiler(targs.profile, targs.profile_start, targs.profile_steps,
-                        targs.profile_dir or os.path.join(os.getcwd(), "profiles"), device, rank)
+    profiler = Profiler(
+        targs.profile,
+        targs.profile_start,
+        targs.profile_steps,
+        targs.profile_dir or os.path.join(os.getcwd(), "profiles"),
+        device,
+        rank,
+    )
     # one optimizer per stage part (AdamW has no cross-parameter state), so each part's state
     # dict can be taken and restored with its module
-    optims = [optim_mod.build_optimizer([q for q in m.parameters() if q.requires_grad], targs, pargs)
-              for m in model.modules]
+    optims = [
+        optim_mod.build_optimizer([q for q in m.parameters() if q.requires_grad], targs, pargs) for m in model.modules
+    ]
 
     if rank == 0:
         data_mod.prepare(dargs)
@@ -80,16 +89,31 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     micro = split.per_replica if p.pp > 1 else split.size
     accum = split.per_replica // micro
     loader = data_mod.build_loader(
-        dargs, seq_len=targs.seq_len, vocab_size=margs.vocab_size, seed=targs.seed,
-        global_batch=targs.global_batch, micro_batch=micro, dp_rank=model.dp_rank, dp_size=p.dp,
-        steps=targs.steps, start_step=start_step, pin_memory=device.type == "cuda",
+        dargs,
+        seq_len=targs.seq_len,
+        vocab_size=margs.vocab_size,
+        seed=targs.seed,
+        global_batch=targs.global_batch,
+        micro_batch=micro,
+        dp_rank=model.dp_rank,
+        dp_size=p.dp,
+        steps=targs.steps,
+        start_step=start_step,
+        pin_memory=device.type == "cuda",
     )
     val_loader = None
     if targs.eval_every > 0:
         val_loader = data_mod.build_val_loader(
-            dargs, seq_len=targs.seq_len, vocab_size=margs.vocab_size, seed=targs.seed,
-            global_batch=targs.global_batch, micro_batch=micro, dp_rank=model.dp_rank, dp_size=p.dp,
-            batches=targs.eval_batches)
+            dargs,
+            seq_len=targs.seq_len,
+            vocab_size=margs.vocab_size,
+            seed=targs.seed,
+            global_batch=targs.global_batch,
+            micro_batch=micro,
+            dp_rank=model.dp_rank,
+            dp_size=p.dp,
+            batches=targs.eval_batches,
+        )
     tokens_per_step = targs.global_batch * targs.seq_len
     # 6 N per token for the matmuls forward and backward, plus attention scores 12 L d T
     flops_per_token = 6 * n_params + 12 * margs.n_layers * margs.d_model * targs.seq_len
@@ -144,8 +168,11 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         # every rank reaches here with the same `finite` (the flag and the norm are global)
         first_bad = None if finite else tracker.first_layer()
         if not finite and (not scaler.enabled or scaler.skipped_in_row + 1 >= scaler.max_consecutive_skips):
-            where = f"first in layer {first_bad} (block output)" if first_bad is not None else \
-                "forward activations finite, first in the backward pass"
+            where = (
+                f"first in layer {first_bad} (block output)"
+                if first_bad is not None
+                else "forward activations finite, first in the backward pass"
+            )
             why = "" if not scaler.enabled else f" ({scaler.skipped_in_row + 1} overflowed steps in a row)"
             raise NonFiniteError(f"non-finite values at step {step}{why}: {where}")
         stats = monitor.collect() if monitor.active else None
@@ -200,7 +227,9 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         return None
     if not history:  # resumed from a checkpoint of the last step: nothing left to run
         return {"resumed_from_step": start_step, "world_size": world, "losses": [], "grad_norms": []}
-    timed = [r["step_time_s"] for r in history if r["step"] >= targs.warmup_steps] or [r["step_time_s"] for r in history]
+    timed = [r["step_time_s"] for r in history if r["step"] >= targs.warmup_steps] or [
+        r["step_time_s"] for r in history
+    ]
     median = statistics.median(timed)
     # CPU workers share one host, whose peak the cpu chip gives; devices add up
     peak_flops = rt.peak_flops * (1 if device.type == "cpu" else world)

@@ -1,5 +1,6 @@
 """What a rank really holds of the model's state, in bytes: the figure the planner's
 params + grads + optimizer terms are checked against (``tests/test_state_bytes.py``)."""
+
 from __future__ import annotations
 
 from typing import Dict, Iterable, List
@@ -20,8 +21,15 @@ def model_state_bytes(modules: Iterable[torch.nn.Module], optims: List[torch.opt
     The optimizer's scalar step counters (one 0-d tensor per parameter tensor) are bookkeeping,
     not state that grows with the model, and are left out, as the planner leaves them out."""
     params = {id(p): p for m in modules for p in m.parameters()}.values()
-    state = [v for opt in optims for s in opt.state.values() for v in s.values()
-             if isinstance(v, torch.Tensor) and v.dim() > 0]
-    return {"params": sum(_nbytes(p) for p in params),
-            "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
-            "optimizer": sum(_nbytes(v) for v in state)}
+    state = [
+        v
+        for opt in optims
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    return {
+        "params": sum(_nbytes(p) for p in params),
+        "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(_nbytes(v) for v in state),
+    }

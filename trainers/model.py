@@ -4,17 +4,18 @@ One class per concern, each readable in a screenful. The same module covers GPT-
 GELU, learned positions, tied head) and Llama 2 (RMSNorm, SwiGLU, RoPE, grouped key/value
 heads) through :class:`ModelConfig`.
 """
+
 from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
 from trainers.config import ModelConfig
 
 

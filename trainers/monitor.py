@@ -10,6 +10,7 @@ bf16 (values are measured as computed; under tensor or sequence parallelism, on 
 shard). A few channel means are kept as a fingerprint, so two runs (two chips, two dtypes) can
 be compared layer by layer with a cosine similarity.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
@@ -43,8 +44,10 @@ class FiniteTracker:
         def hook(module, inputs, output):
             out = output.to_local() if hasattr(output, "to_local") else output
             bad = ~torch.isfinite(out.detach()).all()
-            self.first = torch.where(bad, torch.minimum(self.first, torch.tensor(idx, device=self.first.device)),
-                                     self.first)
+            self.first = torch.where(
+                bad, torch.minimum(self.first, torch.tensor(idx, device=self.first.device)), self.first
+            )
+
         return hook
 
     def reset(self) -> None:
@@ -100,12 +103,14 @@ class PrecisionMonitor:
         def hook(module, inputs, output):
             if self.active:
                 self.rows.append({"step": self.step, "layer": idx, "kind": "activation", **tensor_stats(output)})
+
         return hook
 
     def _backward(self, idx: int):
         def hook(module, grad_input, grad_output):
             if self.active and grad_output and grad_output[0] is not None:
                 self.rows.append({"step": self.step, "layer": idx, "kind": "gradient", **tensor_stats(grad_output[0])})
+
         return hook
 
     def collect(self) -> List[Dict[str, Any]]:

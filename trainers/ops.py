@@ -20,6 +20,7 @@ fused kernel) or ``error`` (it raised; the probe then computes it on the host an
 Real inputs flow from op to op, so no op is fed made-up arguments. Only a real NPU gives an NPU
 table; on the CPU every op is native, which is what the tests check. Imports torch only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,6 +46,7 @@ FALLBACK_WORDS = ("fall back", "fallback", "falls back")
 class OpCapture:
     """Operators of one forward + backward: name -> number of calls, the dtypes seen, and
     where the model's parameters lived (``meta``: nothing was allocated)."""
+
     counts: Dict[str, int] = field(default_factory=dict)
     dtypes: Dict[str, List[str]] = field(default_factory=dict)
     param_devices: List[str] = field(default_factory=list)
@@ -216,12 +218,25 @@ def small_model(model: Dict[str, Any]) -> Dict[str, Any]:
     heads = 4
     kv = model.get("n_kv_heads", -1)
     grouped = kv not in (-1, 0, None) and kv < model.get("n_heads", heads)
-    return {**model, "vocab_size": 64, "d_model": 32, "n_layers": 1, "n_heads": heads,
-            "n_kv_heads": 2 if grouped else -1, "d_ff": 64, "max_seq_len": 16}
+    return {
+        **model,
+        "vocab_size": 64,
+        "d_model": 32,
+        "n_layers": 1,
+        "n_heads": heads,
+        "n_kv_heads": 2 if grouped else -1,
+        "d_ff": 64,
+        "max_seq_len": 16,
+    }
 
 
-def probe_ops(device: str, model: Optional[Dict[str, Any]] = None, plugin: Optional[str] = None,
-              compute_dtype: str = "fp32", seed: int = 0) -> Dict[str, Dict[str, str]]:
+def probe_ops(
+    device: str,
+    model: Optional[Dict[str, Any]] = None,
+    plugin: Optional[str] = None,
+    compute_dtype: str = "fp32",
+    seed: int = 0,
+) -> Dict[str, Dict[str, str]]:
     """Run a small copy of ``model`` (default: ModelConfig defaults) forward and backward on
     ``device`` with every aten op graded; return ``{op: {"status": native|fallback|error|unused,
     "detail": ...}}`` for the ops of :func:`capture_ops` plus any the device ran in addition
@@ -240,8 +255,11 @@ def probe_ops(device: str, model: Optional[Dict[str, Any]] = None, plugin: Optio
     torch.manual_seed(seed)
     net = GPT(from_dict(ModelConfig, {**small, "activation_checkpointing": False})).to(dev).train()
     tokens = torch.randint(0, small["vocab_size"], (2, 9), device=dev)
-    autocast = (torch.autocast(device_type=dev.type, dtype=DTYPES[compute_dtype]) if compute_dtype != "fp32"
-                else contextlib.nullcontext())
+    autocast = (
+        torch.autocast(device_type=dev.type, dtype=DTYPES[compute_dtype])
+        if compute_dtype != "fp32"
+        else contextlib.nullcontext()
+    )
     prober = _Prober(dev)
     with prober:
         with autocast:

@@ -14,6 +14,7 @@ save and reshard it like any optimizer's.
 Per parameter, in bytes: 4 + 4 grads + 8 fp32; 2 + 2 + 12 (16-bit with master); 2 + 2 + 4
 (16-bit without), what ``orchestrator/planner`` plans and ``trainers/memory.py`` measures.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,8 +81,8 @@ class MasterAdamW(torch.optim.Optimizer):
                 master.mul_(1 - lr * wd)
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (v.sqrt() / math.sqrt(1 - beta2 ** t)).add_(eps)
-                master.addcdiv_(m, denom, value=-lr / (1 - beta1 ** t))
+                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+                master.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
                 local(p).copy_(master)
         return loss
 
@@ -102,7 +103,9 @@ def _placements(t: torch.Tensor):
     return getattr(t, "placements", None)
 
 
-def build_optimizer(params: List[torch.nn.Parameter], a: TrainerConfig, precision: PrecisionConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    params: List[torch.nn.Parameter], a: TrainerConfig, precision: PrecisionConfig
+) -> torch.optim.Optimizer:
     """AdamW over ``params``; on fp32 master copies when they are 16-bit and
     ``precision.master_weights_fp32`` is set. No weight decay on norms and biases (everything
     one-dimensional); DTensor and plain parameters in separate groups, as the foreach kernels

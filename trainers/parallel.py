@@ -5,6 +5,7 @@ Mesh order is (dp, pp, tp) with tp innermost: consecutive ranks form a TP group,
 stays inside one node (8 NPUs of an Atlas 800T A2, 8 GPUs of a DGX) where HCCS/NVLink carry its
 per-layer all-reduces; PP crosses nodes next, DP outermost.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,8 +74,13 @@ def apply_tp(model: GPT, tp_mesh, sequence_parallel: bool) -> None:
     all-gathered for the loss. With sequence parallelism the norms and residual stream are
     sharded along the sequence (all-gather before, reduce-scatter after each sub-layer)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     sp = sequence_parallel
     act = Shard(1) if sp else Replicate()
@@ -93,26 +99,38 @@ def apply_tp(model: GPT, tp_mesh, sequence_parallel: bool) -> None:
     model.tie_weights()
     for block in model.layers.values():
         plan: Dict[str, Any] = {
-            "attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+            "attn.wq": ColwiseParallel(),
+            "attn.wk": ColwiseParallel(),
+            "attn.wv": ColwiseParallel(),
             "attn.wo": RowwiseParallel(output_layouts=act),
-            "mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel(output_layouts=act),
+            "mlp.w1": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel(output_layouts=act),
         }
         if block.mlp.w3 is not None:
             plan["mlp.w3"] = ColwiseParallel()
         if sp:
-            plan.update({
-                "attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    "attn_norm": SequenceParallel(),
+                    "mlp_norm": SequenceParallel(),
+                    "attn": PrepareModuleInput(
+                        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                    ),
+                    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
         parallelize_module(block, tp_mesh, plan)
     if sp and model.tok_emb is not None:
         # the embedding (plus learned positions) is replicated; the first block shards the
         # residual stream along the sequence. Between pipeline stages it travels sharded.
         first = next(iter(model.layers.values()))
-        parallelize_module(first, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(), None),
-                                                              desired_input_layouts=(Shard(1), None),
-                                                              use_local_output=True))
+        parallelize_module(
+            first,
+            tp_mesh,
+            PrepareModuleInput(
+                input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True
+            ),
+        )
 
 
 def keep_grads_sharded(model: nn.Module) -> None:
@@ -153,8 +171,9 @@ def apply_fsdp(model: GPT, dp_mesh, reshard_after_forward: bool = True) -> nn.Mo
     return model
 
 
-def build_stages(margs: ModelConfig, p: ParallelConfig, mesh: Mesh, device: torch.device, seed: int
-                 ) -> List[Tuple[int, GPT]]:
+def build_stages(
+    margs: ModelConfig, p: ParallelConfig, mesh: Mesh, device: torch.device, seed: int
+) -> List[Tuple[int, GPT]]:
     """This rank's (stage index, module) pairs, materialised on ``device``, initialised exactly
     as the single-process model, tensor-parallel where tp > 1. Data parallelism comes after."""
     n_stages = p.pp * rules.stages_per_rank(p.pp, p.schedule, p.virtual_stages)

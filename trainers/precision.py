@@ -15,6 +15,7 @@ the parameters. It does not unscale the gradients itself: the optimizer step tak
 weights are kept (``trainers/optim.py``), so small fp16 gradients are not flushed to zero by an
 unscale in fp16 (as Megatron unscales its fp32 main gradients).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -125,8 +126,12 @@ class LossScaler:
             self._overflows_left = self.hysteresis
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self._clean_steps,
-                "overflows_left": self._overflows_left, "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "clean_steps": self._clean_steps,
+            "overflows_left": self._overflows_left,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self._clean_steps = state["scale"], state["clean_steps"]

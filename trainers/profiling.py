@@ -6,6 +6,7 @@ same interface). Communication is every collective or point-to-point operator (c
 NCCL, HCCL, pipelining send/recv); compute is the other operators; idle is what is left of the
 window's wall time. Operator times are self times, so nested ops are not counted twice.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-_COMM = re.compile(r"all_?reduce|all_?gather|reduce_?scatter|broadcast|all_to_all|alltoall|barrier|send|recv|"
-                   r"gloo|nccl|hccl|c10d::", re.IGNORECASE)
+_COMM = re.compile(
+    r"all_?reduce|all_?gather|reduce_?scatter|broadcast|all_to_all|alltoall|barrier|send|recv|"
+    r"gloo|nccl|hccl|c10d::",
+    re.IGNORECASE,
+)
 
 
 def is_comm(name: str) -> bool:
@@ -39,8 +43,13 @@ class ProfileResult:
         return self.comm_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def metrics(self) -> Dict[str, float]:
-        return {"comm_share": self.comm_share, "profile_compute_s": self.compute_s,
-                "profile_comm_s": self.comm_s, "profile_idle_s": self.idle_s, "profile_wall_s": self.wall_s}
+        return {
+            "comm_share": self.comm_share,
+            "profile_compute_s": self.compute_s,
+            "profile_comm_s": self.comm_s,
+            "profile_idle_s": self.idle_s,
+            "profile_wall_s": self.wall_s,
+        }
 
 
 class Profiler:
@@ -64,8 +73,9 @@ class Profiler:
             import torch_npu  # type: ignore[import-not-found]
 
             npu_prof = torch_npu.profiler
-            return npu_prof.profile(activities=[npu_prof.ProfilerActivity.CPU, npu_prof.ProfilerActivity.NPU],
-                                    record_shapes=False)
+            return npu_prof.profile(
+                activities=[npu_prof.ProfilerActivity.CPU, npu_prof.ProfilerActivity.NPU], record_shapes=False
+            )
         return torch.profiler.profile(activities=self._activities(), record_shapes=False)
 
     def step(self, step: int) -> None:
@@ -116,5 +126,9 @@ class Profiler:
         self.result = ProfileResult(
             trace_path=path if os.path.exists(path) else None,
             table=events.table(sort_by=sort_by, row_limit=25),
-            compute_s=compute, comm_s=comm, idle_s=max(0.0, wall - compute - comm), wall_s=wall, top=top[:25],
+            compute_s=compute,
+            comm_s=comm,
+            idle_s=max(0.0, wall - compute - comm),
+            wall_s=wall,
+            top=top[:25],
         )

@@ -3,6 +3,7 @@
 The trainer never imports MLflow, Ray or Hydra: the control plane hands it an object with these
 three methods (picklable, so it crosses into spawned worker processes), and rank 0 calls them.
 """
+
 from __future__ import annotations
 
 from typing import Any, Dict, List, Protocol

@@ -5,6 +5,7 @@ the model is split into pipeline stages and which stages a rank holds, and the p
 ``trainers/parallel.py`` and ``trainers/assembly.py`` build exactly this, ``orchestrator/planner``
 and ``orchestrator/validate.py`` reason about exactly this. A change here changes both.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,17 +5,18 @@ applies the decision inside the worker process: environment first (HCCL/NCCL rea
 communicator is created), then the plugin import, the device from the local rank, and the
 process group with the configured timeout.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
 import importlib
 import os
 import resource
-from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist
+
 from trainers.config import RuntimeConfig
 
 
@@ -55,10 +56,21 @@ def init_process_group(rt: RuntimeConfig) -> None:
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timeout, multi_tenant=not agent_store)
-    dist.init_process_group(backend=rt.backend, store=dist.PrefixStore(f"attempt_{attempt}", store),
-                            rank=rank, world_size=world, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+        multi_tenant=not agent_store,
+    )
+    dist.init_process_group(
+        backend=rt.backend,
+        store=dist.PrefixStore(f"attempt_{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
 
 
 def synchronize(device: torch.device) -> None:
@@ -75,7 +87,6 @@ def peak_memory_gb(device: torch.device) -> float:
     if device.type == "npu":
         return torch.npu.max_memory_allocated(device) / 2**30  # type: ignore[attr-defined]
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
-
 
 
 def compile_backend(device_type: str, requested: str = "auto"):

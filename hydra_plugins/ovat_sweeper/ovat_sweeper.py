@@ -1,6 +1,7 @@
 """The ``ovat`` Hydra sweeper: coordinate descent over the study's variables, one batch of
 trials per variable through the configured launcher (basic or ray). Hydra imports this module at
 start-up, so it imports nothing heavy; the study is in ``sweeps.ovat``."""
+
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -39,7 +40,8 @@ class OvatSweeper(Sweeper):
 
         self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config)
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
 
     def sweep(self, arguments: List[str]) -> Any:
         from sweeps.ovat import run_study

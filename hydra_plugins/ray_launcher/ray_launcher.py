@@ -1,6 +1,7 @@
 """The ``ray`` Hydra launcher: every trial of a multirun is submitted to Ray at once and runs
 when its devices are free. Hydra imports this module at start-up, so it imports nothing heavy;
 cluster options live in the trial config (``launch.ray.*``)."""
+
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 

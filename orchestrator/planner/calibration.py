@@ -7,6 +7,7 @@ the same way) and reports the fitted model's median and largest relative error a
 rho of the step-time ranking on those (:class:`HeldOut`); ``bench/plan_calibration.py`` prints
 both, ``tests/test_planner.py`` checks them.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,6 +34,7 @@ class MeasuredTrial:
 @dataclass
 class HeldOut:
     """The fitted model against trials it was not fitted to."""
+
     n_runs: int
     median_abs_rel_error: float
     max_abs_rel_error: float
@@ -103,8 +105,7 @@ def measured_trials(uri: str, experiment: str, chip: Optional[str] = None) -> Li
     if exp is None:
         return []
     out = []
-    for run in c.search_runs([exp.experiment_id], filter_string="tags.`trial.status` = 'finished'",
-                             max_results=5000):
+    for run in c.search_runs([exp.experiment_id], filter_string="tags.`trial.status` = 'finished'", max_results=5000):
         tags, metrics = run.data.tags, run.data.metrics
         if tags.get("emulated") == "true" or (chip and tags.get("chip") != chip):
             continue
@@ -114,8 +115,9 @@ def measured_trials(uri: str, experiment: str, chip: Optional[str] = None) -> Li
             cfg = config_from_params(run.data.params, metrics)
         except Exception:  # noqa: BLE001 - a run from an older schema: not usable for fitting
             continue
-        out.append(MeasuredTrial(run.info.run_id, cfg, float(metrics["step_time_median_s"]),
-                                 metrics.get("peak_mem_gb")))
+        out.append(
+            MeasuredTrial(run.info.run_id, cfg, float(metrics["step_time_median_s"]), metrics.get("peak_mem_gb"))
+        )
     return out
 
 
@@ -161,8 +163,16 @@ def _factors(cal: Calibration) -> Tuple[float, float, float]:
 
 def _compare(trials: Sequence[MeasuredTrial], predicted: Sequence[float]) -> Tuple[List[float], List[Dict[str, Any]]]:
     errors = [abs(p - t.step_time_s) / t.step_time_s for t, p in zip(trials, predicted)]
-    runs = [{"run_id": t.run_id, "layout": layout_name(t.cfg), "measured_s": float(t.step_time_s),
-             "predicted_s": float(p), "rel_error": float(e)} for t, p, e in zip(trials, predicted, errors)]
+    runs = [
+        {
+            "run_id": t.run_id,
+            "layout": layout_name(t.cfg),
+            "measured_s": float(t.step_time_s),
+            "predicted_s": float(p),
+            "rel_error": float(e),
+        }
+        for t, p, e in zip(trials, predicted, errors)
+    ]
     return errors, runs
 
 
@@ -177,20 +187,26 @@ def evaluate(cal: Calibration, trials: Sequence[MeasuredTrial]) -> HeldOut:
         return HeldOut(0, float("nan"), float("nan"), None)
     predicted = [predict(cal, t.cfg) for t in trials]
     errors, runs = _compare(trials, predicted)
-    return HeldOut(len(trials), statistics.median(errors), max(errors),
-                   spearman_rho(predicted, [t.step_time_s for t in trials]), runs)
+    return HeldOut(
+        len(trials),
+        statistics.median(errors),
+        max(errors),
+        spearman_rho(predicted, [t.step_time_s for t in trials]),
+        runs,
+    )
 
 
-def split_by_layout(trials: Sequence[MeasuredTrial], held_out: Sequence[str]
-                    ) -> Tuple[List[MeasuredTrial], List[MeasuredTrial]]:
+def split_by_layout(
+    trials: Sequence[MeasuredTrial], held_out: Sequence[str]
+) -> Tuple[List[MeasuredTrial], List[MeasuredTrial]]:
     """(trials to fit, trials to hold out): those whose ``dpXtpYppZ`` layout is in ``held_out``."""
     names = set(held_out)
-    return ([t for t in trials if layout_name(t.cfg) not in names],
-            [t for t in trials if layout_name(t.cfg) in names])
+    return ([t for t in trials if layout_name(t.cfg) not in names], [t for t in trials if layout_name(t.cfg) in names])
 
 
-def calibrate(trials: Sequence[MeasuredTrial], planner: DictConfig,
-              held_out: Sequence[MeasuredTrial] = ()) -> Calibration:
+def calibrate(
+    trials: Sequence[MeasuredTrial], planner: DictConfig, held_out: Sequence[MeasuredTrial] = ()
+) -> Calibration:
     """Fit the compute efficiency, the link efficiency and the per-collective latency to measured
     step times (least squares on log(predicted / measured) over a log-spaced grid, refined five
     times), and report the fitted model's median absolute relative error and Spearman's rho on
@@ -200,17 +216,32 @@ def calibrate(trials: Sequence[MeasuredTrial], planner: DictConfig,
     by construction: judge the model on the held-out figures."""
     import numpy as np
 
-    ec0, en0, lat0 = (float(planner.compute_efficiency), float(planner.comm_efficiency),
-                      float(planner.collective_latency_us) * 1e-6)
+    ec0, en0, lat0 = (
+        float(planner.compute_efficiency),
+        float(planner.comm_efficiency),
+        float(planner.collective_latency_us) * 1e-6,
+    )
     if not trials:
         cal = Calibration(ec0, en0, lat0 * 1e6, 0, 0, float("nan"), None)
         cal.heldout = evaluate(cal, held_out) if held_out else None
         return cal
     parts = [trial_parts(t.cfg) for t in trials]
     y = np.array([t.step_time_s for t in trials])
-    col = {k: np.array([getattr(p, k) for p in parts], dtype=float)[:, None, None, None]
-           for k in ("compute_s", "backward_s", "bubble", "tp_comm_s", "pp_comm_s", "dp_comm_s", "tp_calls",
-                     "pp_calls", "dp_calls", "overlap")}
+    col = {
+        k: np.array([getattr(p, k) for p in parts], dtype=float)[:, None, None, None]
+        for k in (
+            "compute_s",
+            "backward_s",
+            "bubble",
+            "tp_comm_s",
+            "pp_comm_s",
+            "dp_comm_s",
+            "tp_calls",
+            "pp_calls",
+            "dp_calls",
+            "overlap",
+        )
+    }
     fit_comm = bool((col["tp_calls"] + col["pp_calls"] + col["dp_calls"]).sum() > 0)
 
     def model(ec, en, lat):
@@ -231,13 +262,22 @@ def calibrate(trials: Sequence[MeasuredTrial], planner: DictConfig,
         loss = (np.log(model(ec, en, lat) / y[:, None, None, None]) ** 2).sum(axis=0)
         i, j, k = np.unravel_index(int(np.argmin(loss)), loss.shape)
         best = (float(axes[0][i]), float(axes[1][j]) if fit_comm else en0, float(axes[2][k]) if fit_comm else lat0)
-        ranges = [(v / (hi / lo) ** (1 / (n - 1)), v * (hi / lo) ** (1 / (n - 1)), n)
-                  for v, (lo, hi, n) in zip(best, ranges)]
+        ranges = [
+            (v / (hi / lo) ** (1 / (n - 1)), v * (hi / lo) ** (1 / (n - 1)), n) for v, (lo, hi, n) in zip(best, ranges)
+        ]
     ec_b, en_b, lat_b = best
     predicted = [combine(p, ec_b, en_b, lat_b).step_time_s for p in parts]
     errors, runs = _compare(trials, predicted)
-    cal = Calibration(ec_b, en_b, lat_b * 1e6, 3 if fit_comm else 1, len(trials), statistics.median(errors),
-                      spearman_rho(predicted, [float(m) for m in y]), runs)
+    cal = Calibration(
+        ec_b,
+        en_b,
+        lat_b * 1e6,
+        3 if fit_comm else 1,
+        len(trials),
+        statistics.median(errors),
+        spearman_rho(predicted, [float(m) for m in y]),
+        runs,
+    )
     cal.heldout = evaluate(cal, held_out) if held_out else None
     return cal
 
@@ -257,5 +297,10 @@ def cross_validate(trials: Sequence[MeasuredTrial], planner: DictConfig) -> Held
         held_all += held
         predicted += [predict(cal, t.cfg) for t in held]
     errors, runs = _compare(held_all, predicted)
-    return HeldOut(len(held_all), statistics.median(errors), max(errors),
-                   spearman_rho(predicted, [t.step_time_s for t in held_all]), runs)
+    return HeldOut(
+        len(held_all),
+        statistics.median(errors),
+        max(errors),
+        spearman_rho(predicted, [t.step_time_s for t in held_all]),
+        runs,
+    )

@@ -41,6 +41,7 @@
 - a stated runtime reserve: ``planner.runtime_overhead_gb`` plus ``planner.overhead_fraction`` of
   the rest; it is reported inside ``buffers`` in the ``--json`` contract.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -48,8 +49,18 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig
 
-from orchestrator.planner.shapes import (BYTES, GiB, MiB, ModelShape, ParallelShape, block_params, local_numel,
-                                         rank_contents, rank_params, rank_tensors)
+from orchestrator.planner.shapes import (
+    BYTES,
+    GiB,
+    MiB,
+    ModelShape,
+    ParallelShape,
+    block_params,
+    local_numel,
+    rank_contents,
+    rank_params,
+    rank_tensors,
+)
 
 
 def state_bytes(precision: DictConfig, planner: DictConfig) -> Tuple[int, int, int]:
@@ -65,6 +76,7 @@ def state_bytes(precision: DictConfig, planner: DictConfig) -> Tuple[int, int, i
 class ModelState:
     """Bytes of parameters, gradients and optimizer state one rank holds (the optimizer's 0-d
     step counters left out, as ``trainers/memory.py`` leaves them out)."""
+
     params: int
     grads: int
     optimizer: int
@@ -77,8 +89,15 @@ class ModelState:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
 
 
-def model_state(m: ModelShape, s: ParallelShape, precision: DictConfig, planner: DictConfig, pp_rank: int,
-                tp_rank: int = 0, dp_rank: int = 0) -> ModelState:
+def model_state(
+    m: ModelShape,
+    s: ParallelShape,
+    precision: DictConfig,
+    planner: DictConfig,
+    pp_rank: int,
+    tp_rank: int = 0,
+    dp_rank: int = 0,
+) -> ModelState:
     """What the rank at (dp_rank, pp_rank, tp_rank) holds after an optimizer step. TP and FSDP
     cut as ``torch.chunk`` does, so rank 0 of each group holds the most: the defaults give the
     most loaded rank of pipeline rank ``pp_rank``."""
@@ -87,22 +106,25 @@ def model_state(m: ModelShape, s: ParallelShape, precision: DictConfig, planner:
     return ModelState(n * pb, n * gb, n * ob)
 
 
-def rank_model_state(m: ModelShape, s: ParallelShape, precision: DictConfig, planner: DictConfig,
-                     rank: int) -> ModelState:
+def rank_model_state(
+    m: ModelShape, s: ParallelShape, precision: DictConfig, planner: DictConfig, rank: int
+) -> ModelState:
     """What global rank ``rank`` holds (mesh order (dp, pp, tp), tp innermost)."""
     dp_rank, pp_rank, tp_rank = s.coords(rank)
     return model_state(m, s, precision, planner, pp_rank, tp_rank, dp_rank)
 
 
-def model_state_bytes(m: ModelShape, s: ParallelShape, precision: DictConfig,
-                      planner: DictConfig) -> List[Dict[str, int]]:
+def model_state_bytes(
+    m: ModelShape, s: ParallelShape, precision: DictConfig, planner: DictConfig
+) -> List[Dict[str, int]]:
     """Every rank's bytes in rank order: the planned twin of the trainer summary's
     ``model_state_bytes``."""
     return [rank_model_state(m, s, precision, planner, r).as_dict() for r in range(s.world)]
 
 
-def layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, act_bytes: int,
-                           fused_attention: bool) -> float:
+def layer_activation_bytes(
+    m: ModelShape, seq: int, b: int, tp: int, sp: bool, act_bytes: int, fused_attention: bool
+) -> float:
     """Korthikanti et al. 2022, Table 2, per layer and microbatch (see the module docstring)."""
     sbh = seq * b * m.d
     mlp = (8 if m.swiglu else 4) * m.d_ff / m.d  # 16 for a GELU MLP with f = 4h
@@ -146,8 +168,9 @@ def communicators(s: ParallelShape, rank: int) -> int:
     return n
 
 
-def dp_buffer_bytes(m: ModelShape, s: ParallelShape, comm: DictConfig, planner: DictConfig, n: int,
-                    pb: int, gb: int) -> float:
+def dp_buffer_bytes(
+    m: ModelShape, s: ParallelShape, comm: DictConfig, planner: DictConfig, n: int, pb: int, gb: int
+) -> float:
     """Data-parallel buffers of a rank holding ``n`` parameters before FSDP sharding."""
     if s.dp <= 1:
         return 0.0
@@ -165,6 +188,7 @@ def dp_buffer_bytes(m: ModelShape, s: ParallelShape, comm: DictConfig, planner: 
 @dataclass
 class MemoryPlan:
     """Bytes per rank of the most loaded pipeline rank, and whether it fits."""
+
     params: float
     grads: float
     optimizer: float
@@ -195,26 +219,41 @@ class MemoryPlan:
 
     def gb(self) -> Dict[str, float]:
         """The ``memory_gb`` object of the public ``--json`` contract (runtime reserve in buffers)."""
-        return {"params": self.params / GiB, "grads": self.grads / GiB, "optimizer": self.optimizer / GiB,
-                "activations": self.activations / GiB, "buffers": (self.buffers + self.overhead) / GiB,
-                "total": self.total / GiB}
+        return {
+            "params": self.params / GiB,
+            "grads": self.grads / GiB,
+            "optimizer": self.optimizer / GiB,
+            "activations": self.activations / GiB,
+            "buffers": (self.buffers + self.overhead) / GiB,
+            "total": self.total / GiB,
+        }
 
     def detail(self) -> Dict[str, Any]:
-        return {"comm_buffers_gb": self.comm_buffers / GiB, "dp_buffers_gb": self.dp_buffers / GiB,
-                "runtime_overhead_gb": self.overhead / GiB, "pipeline_rank": self.rank,
-                "communicators": self.communicators, "chip_memory_gb": self.chip_memory_gb,
-                "headroom": self.headroom, "usable_gb": self.usable_gb}
+        return {
+            "comm_buffers_gb": self.comm_buffers / GiB,
+            "dp_buffers_gb": self.dp_buffers / GiB,
+            "runtime_overhead_gb": self.overhead / GiB,
+            "pipeline_rank": self.rank,
+            "communicators": self.communicators,
+            "chip_memory_gb": self.chip_memory_gb,
+            "headroom": self.headroom,
+            "usable_gb": self.usable_gb,
+        }
 
 
-def memory_plan(m: ModelShape, s: ParallelShape, precision: DictConfig, comm: DictConfig, chip: DictConfig,
-                planner: DictConfig) -> MemoryPlan:
+def memory_plan(
+    m: ModelShape, s: ParallelShape, precision: DictConfig, comm: DictConfig, chip: DictConfig, planner: DictConfig
+) -> MemoryPlan:
     """Memory of every pipeline rank; the plan is that of the rank with the largest total (of
     each pipeline rank, its TP and DP rank 0, which hold the most)."""
     pb, gb, _ = state_bytes(precision, planner)
     act_b = BYTES[precision.compute_dtype]
     full = layer_activation_bytes(m, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, act_b, m.fused_attention)
-    kept = (checkpointed_layer_bytes(m, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, act_b)
-            if m.checkpointing else full)
+    kept = (
+        checkpointed_layer_bytes(m, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, act_b)
+        if m.checkpointing
+        else full
+    )
     sb = s.seq_len * s.micro_batch
     best: Optional[MemoryPlan] = None
     for rank in range(s.pp):
@@ -235,10 +274,19 @@ def memory_plan(m: ModelShape, s: ParallelShape, precision: DictConfig, comm: Di
         comm_buf = 2 * n_comm * per_comm.get(chip.dist_backend, 0.0) * MiB
         dp_buf = dp_buffer_bytes(m, s, comm, planner, rank_params(m, s, rc), pb, gb)
         overhead = float(planner.runtime_overhead_gb) * GiB + float(planner.overhead_fraction) * (state.total + act)
-        plan = MemoryPlan(params=float(state.params), grads=float(state.grads), optimizer=float(state.optimizer),
-                          activations=act, comm_buffers=comm_buf, dp_buffers=dp_buf, overhead=overhead, rank=rank,
-                          communicators=n_comm, chip_memory_gb=float(chip.memory_gb),
-                          headroom=float(planner.headroom))
+        plan = MemoryPlan(
+            params=float(state.params),
+            grads=float(state.grads),
+            optimizer=float(state.optimizer),
+            activations=act,
+            comm_buffers=comm_buf,
+            dp_buffers=dp_buf,
+            overhead=overhead,
+            rank=rank,
+            communicators=n_comm,
+            chip_memory_gb=float(chip.memory_gb),
+            headroom=float(planner.headroom),
+        )
         if best is None or plan.total > best.total:
             best = plan
     assert best is not None

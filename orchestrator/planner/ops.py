@@ -5,6 +5,7 @@ native, mapped to a decomposition the trainer applies through a model option, or
 kernel to write. The seed article's two figures: coverage N_supported / N_total and replacement
 rate (N_mapped + N_fused + N_custom) / N_total.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,6 +44,7 @@ class OpPlan:
 class OpCoverage:
     """The seed article's two figures over the model's distinct operators: coverage
     N_supported / N_total and replacement rate (N_mapped + N_fused + N_custom) / N_total."""
+
     ops: List[OpPlan]
     model_overrides: Dict[str, Any]
     unresolved: List[str]  # operators with neither support nor a usable decomposition
@@ -64,10 +66,18 @@ class OpCoverage:
         return (self.count("mapped") + self.n_fused + self.count("custom")) / self.n_total if self.ops else 0.0
 
     def to_dict(self) -> Dict[str, Any]:
-        return {"n_total": self.n_total, "n_supported": self.count("native"), "n_mapped": self.count("mapped"),
-                "n_fused": self.n_fused, "n_custom": self.count("custom"), "coverage": self.coverage,
-                "replacement_rate": self.replacement_rate, "model_overrides": dict(self.model_overrides),
-                "unresolved": list(self.unresolved), "ops": [asdict(o) for o in self.ops]}
+        return {
+            "n_total": self.n_total,
+            "n_supported": self.count("native"),
+            "n_mapped": self.count("mapped"),
+            "n_fused": self.n_fused,
+            "n_custom": self.count("custom"),
+            "coverage": self.coverage,
+            "replacement_rate": self.replacement_rate,
+            "model_overrides": dict(self.model_overrides),
+            "unresolved": list(self.unresolved),
+            "ops": [asdict(o) for o in self.ops],
+        }
 
 
 def _matches(op: str, patterns: Iterable[str]) -> Optional[str]:
@@ -78,9 +88,9 @@ def _matches(op: str, patterns: Iterable[str]) -> Optional[str]:
 
 def _model_override(value: str, model: DictConfig | Dict[str, Any]) -> Optional[Tuple[str, str]]:
     key, sep, val = str(value).partition("=")
-    if not sep or not key.startswith("model.") or key[len("model."):] not in model:
+    if not sep or not key.startswith("model.") or key[len("model.") :] not in model:
         return None
-    return key[len("model."):], val
+    return key[len("model.") :], val
 
 
 def op_coverage(model: DictConfig, seq_len: int, compute_dtype: str, chip: DictConfig) -> OpCoverage:
@@ -101,16 +111,22 @@ def op_coverage(model: DictConfig, seq_len: int, compute_dtype: str, chip: DictC
         pattern = _matches(op, decomps)
         kv = _model_override(decomps[pattern], model) if pattern else None
         if kv is None:
-            why = (f"chip.decompositions[{pattern!r}]={decomps[pattern]!r} is not a model.KEY=VALUE option"
-                   if pattern else "no decomposition in the chip table")
+            why = (
+                f"chip.decompositions[{pattern!r}]={decomps[pattern]!r} is not a model.KEY=VALUE option"
+                if pattern
+                else "no decomposition in the chip table"
+            )
             plans.append(OpPlan(op, "custom", why, calls))
         else:
             overrides[kv[0]] = yaml.safe_load(kv[1]) if kv[1] else kv[1]
             plans.append(OpPlan(op, "mapped", f"model.{kv[0]}={kv[1]}", calls))
     unresolved = [p.op for p in plans if p.plan == "custom"]
     if overrides:
-        mapped_model = {**OmegaConf.to_container(model, resolve=True), **overrides} \
-            if isinstance(model, DictConfig) else {**model, **overrides}
+        mapped_model = (
+            {**OmegaConf.to_container(model, resolve=True), **overrides}
+            if isinstance(model, DictConfig)
+            else {**model, **overrides}
+        )
         for op in captured_ops(mapped_model, seq_len, compute_dtype):
             if op not in counts and _matches(op, unsupported):
                 unresolved.append(op)

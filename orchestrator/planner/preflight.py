@@ -1,6 +1,7 @@
 """One layout planned as composed, and the preflight report a trial is launched on: memory fit
 (:mod:`.memory`), operator coverage (:mod:`.ops`) and the step-time estimate (:mod:`.step_time`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,11 +28,19 @@ class LayoutPlan:
 
     def contract(self) -> Dict[str, Any]:
         """One object of ``python -m orchestrator.plan --json`` (DESIGN.md public contract)."""
-        return {"dp": self.shape.dp, "tp": self.shape.tp, "pp": self.shape.pp,
-                "microbatches": self.shape.microbatches, "schedule": self.shape.schedule,
-                "memory_gb": self.memory.gb(), "fits": self.memory.fits,
-                "bubble_fraction": self.step.bubble_fraction, "comm_share": self.step.comm_share,
-                "step_time_s": self.step.step_time_s, "mfu": self.step.mfu}
+        return {
+            "dp": self.shape.dp,
+            "tp": self.shape.tp,
+            "pp": self.shape.pp,
+            "microbatches": self.shape.microbatches,
+            "schedule": self.shape.schedule,
+            "memory_gb": self.memory.gb(),
+            "fits": self.memory.fits,
+            "bubble_fraction": self.step.bubble_fraction,
+            "comm_share": self.step.comm_share,
+            "step_time_s": self.step.step_time_s,
+            "mfu": self.step.mfu,
+        }
 
 
 def with_model_overrides(cfg: DictConfig, overrides: Dict[str, Any]) -> DictConfig:
@@ -45,8 +54,11 @@ def plan_layout(cfg: DictConfig) -> LayoutPlan:
     """Memory and step time of ``cfg`` as composed (apply the coverage's model overrides first)."""
     m = ModelShape.of(cfg.model)
     s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg))
-    return LayoutPlan(s, memory_plan(m, s, cfg.precision, cfg.comm, cfg.chip, cfg.planner),
-                      step_time(m, s, cfg.precision, cfg.comm, cfg.chip, cfg.planner))
+    return LayoutPlan(
+        s,
+        memory_plan(m, s, cfg.precision, cfg.comm, cfg.chip, cfg.planner),
+        step_time(m, s, cfg.precision, cfg.comm, cfg.chip, cfg.planner),
+    )
 
 
 def state_bytes_per_rank(cfg: DictConfig) -> List[Dict[str, int]]:
@@ -86,11 +98,13 @@ def preflight(cfg: DictConfig) -> Dict[str, Any]:
     mem = lp.memory
     reasons = []
     if not mem.fits:
-        reasons.append(f"memory: {mem.total / GiB:.1f} GB per rank exceeds {cfg.chip.name}'s "
-                       f"{float(cfg.chip.memory_gb):g} GB x {float(cfg.planner.headroom):g} headroom "
-                       f"(params {mem.params / GiB:.1f}, grads {mem.grads / GiB:.1f}, optimizer "
-                       f"{mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f}, buffers and "
-                       f"reserve {(mem.buffers + mem.overhead) / GiB:.1f})")
+        reasons.append(
+            f"memory: {mem.total / GiB:.1f} GB per rank exceeds {cfg.chip.name}'s "
+            f"{float(cfg.chip.memory_gb):g} GB x {float(cfg.planner.headroom):g} headroom "
+            f"(params {mem.params / GiB:.1f}, grads {mem.grads / GiB:.1f}, optimizer "
+            f"{mem.optimizer / GiB:.1f}, activations {mem.activations / GiB:.1f}, buffers and "
+            f"reserve {(mem.buffers + mem.overhead) / GiB:.1f})"
+        )
     if cov.unresolved:
         reasons.append(f"operators without support or mapping on {cfg.chip.name}: {', '.join(cov.unresolved)}")
     return {

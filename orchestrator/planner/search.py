@@ -1,5 +1,6 @@
 """Every DP/TP/PP layout of N devices, planned and ranked by estimated step time (what
 ``python -m orchestrator.plan --devices N`` prints)."""
+
 from __future__ import annotations
 
 import copy

@@ -15,6 +15,7 @@ DTensor shard and an FSDP2 shard are cut as ``torch.chunk`` cuts (the first piec
 when the size does not divide; FSDP2 chunks dim 0 of the TP-local tensor), so the element
 count of every rank is exact, not an average.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,6 +35,7 @@ BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a GPT-style decoder that memory and FLOPs depend on (model config section)."""
+
     vocab: int
     d: int
     layers: int
@@ -51,21 +53,34 @@ class ModelShape:
     @classmethod
     def of(cls, model: DictConfig | Dict[str, Any]) -> "ModelShape":
         kv = model["n_kv_heads"] if model.get("n_kv_heads", -1) not in (-1, 0, None) else model["n_heads"]
-        return cls(vocab=int(model["vocab_size"]), d=int(model["d_model"]), layers=int(model["n_layers"]),
-                   heads=int(model["n_heads"]), kv_heads=int(kv), d_ff=int(model["d_ff"]),
-                   max_seq_len=int(model["max_seq_len"]), swiglu=model.get("mlp", "gelu") == "swiglu",
-                   layernorm=model.get("norm", "layernorm") == "layernorm",
-                   learned_pos=model.get("pos_emb", "learned") == "learned",
-                   tied=bool(model.get("tie_embeddings", True)),
-                   fused_attention=model.get("attn_impl", "fused") == "fused",
-                   checkpointing=bool(model.get("activation_checkpointing", False)))
+        return cls(
+            vocab=int(model["vocab_size"]),
+            d=int(model["d_model"]),
+            layers=int(model["n_layers"]),
+            heads=int(model["n_heads"]),
+            kv_heads=int(kv),
+            d_ff=int(model["d_ff"]),
+            max_seq_len=int(model["max_seq_len"]),
+            swiglu=model.get("mlp", "gelu") == "swiglu",
+            layernorm=model.get("norm", "layernorm") == "layernorm",
+            learned_pos=model.get("pos_emb", "learned") == "learned",
+            tied=bool(model.get("tie_embeddings", True)),
+            fused_attention=model.get("attn_impl", "fused") == "fused",
+            checkpointing=bool(model.get("activation_checkpointing", False)),
+        )
 
     @property
     def layer_matrices(self) -> List[Tuple[int, int]]:
         """Weight matrices of one block (no biases, as trainers/model.py): wq wk wv wo w1 w2 (w3)."""
         kv_dim = self.kv_heads * (self.d // self.heads)
-        mats = [(self.d, self.d), (self.d, kv_dim), (self.d, kv_dim), (self.d, self.d),
-                (self.d, self.d_ff), (self.d_ff, self.d)]
+        mats = [
+            (self.d, self.d),
+            (self.d, kv_dim),
+            (self.d, kv_dim),
+            (self.d, self.d),
+            (self.d, self.d_ff),
+            (self.d_ff, self.d),
+        ]
         return mats + ([(self.d, self.d_ff)] if self.swiglu else [])
 
     @property
@@ -92,8 +107,13 @@ class ModelShape:
     def n_params(self) -> int:
         """All parameters, a tied head counted once (trainers.model.count_params)."""
         head = 0 if self.tied else self.embedding
-        return (self.embedding + self.positions + self.layers * (self.layer_sharded + self.layer_replicated)
-                + self.norm_params + head)
+        return (
+            self.embedding
+            + self.positions
+            + self.layers * (self.layer_sharded + self.layer_replicated)
+            + self.norm_params
+            + head
+        )
 
     def matrices(self) -> List[Tuple[int, int]]:
         """Every 2-D parameter of the model (for PowerSGD's compressed size)."""
@@ -109,6 +129,7 @@ class ParallelShape:
     With a pipeline the replica's batch is split into ``parallel.microbatches`` microbatches (the
     trainer does so itself); without one, ``microbatches`` counts gradient-accumulation steps of
     ``trainer.micro_batch`` sequences (:func:`trainers.rules.batch_split`)."""
+
     dp: int
     tp: int
     pp: int
@@ -122,13 +143,21 @@ class ParallelShape:
 
     @classmethod
     def of(cls, parallel: DictConfig, trainer: DictConfig, lay: Layout) -> "ParallelShape":
-        split = rules.batch_split(int(trainer.global_batch), lay.dp, lay.pp, int(trainer.micro_batch),
-                                  int(parallel.microbatches))
-        return cls(dp=lay.dp, tp=lay.tp, pp=lay.pp, microbatches=split.count, micro_batch=split.size,
-                   seq_len=int(trainer.seq_len), schedule=str(parallel.schedule),
-                   virtual_stages=int(parallel.virtual_stages),
-                   sequence_parallel=bool(parallel.sequence_parallel) and lay.tp > 1,
-                   fsdp=rules.dp_wrapping(lay.dp, lay.tp, str(parallel.dp_shard)) == "fsdp")
+        split = rules.batch_split(
+            int(trainer.global_batch), lay.dp, lay.pp, int(trainer.micro_batch), int(parallel.microbatches)
+        )
+        return cls(
+            dp=lay.dp,
+            tp=lay.tp,
+            pp=lay.pp,
+            microbatches=split.count,
+            micro_batch=split.size,
+            seq_len=int(trainer.seq_len),
+            schedule=str(parallel.schedule),
+            virtual_stages=int(parallel.virtual_stages),
+            sequence_parallel=bool(parallel.sequence_parallel) and lay.tp > 1,
+            fsdp=rules.dp_wrapping(lay.dp, lay.tp, str(parallel.dp_shard)) == "fsdp",
+        )
 
     @property
     def world(self) -> int:
@@ -160,6 +189,7 @@ def rank_contents(m: ModelShape, s: ParallelShape, rank: int) -> rules.RankStage
 class ParamTensor:
     """One parameter tensor of the trainer's model: its full shape and the dimension tensor
     parallelism shards (None: every TP rank holds it whole)."""
+
     name: str
     shape: Tuple[int, ...]
     tp_dim: Optional[int] = None
@@ -168,11 +198,14 @@ class ParamTensor:
 def block_tensors(m: ModelShape) -> List[ParamTensor]:
     """The parameters of one transformer block, as ``apply_tp`` shards them."""
     hd = m.d // m.heads
-    out = [ParamTensor("attn.wq.weight", (m.heads * hd, m.d), 0),
-           ParamTensor("attn.wk.weight", (m.kv_heads * hd, m.d), 0),
-           ParamTensor("attn.wv.weight", (m.kv_heads * hd, m.d), 0),
-           ParamTensor("attn.wo.weight", (m.d, m.heads * hd), 1),
-           ParamTensor("mlp.w1.weight", (m.d_ff, m.d), 0), ParamTensor("mlp.w2.weight", (m.d, m.d_ff), 1)]
+    out = [
+        ParamTensor("attn.wq.weight", (m.heads * hd, m.d), 0),
+        ParamTensor("attn.wk.weight", (m.kv_heads * hd, m.d), 0),
+        ParamTensor("attn.wv.weight", (m.kv_heads * hd, m.d), 0),
+        ParamTensor("attn.wo.weight", (m.d, m.heads * hd), 1),
+        ParamTensor("mlp.w1.weight", (m.d_ff, m.d), 0),
+        ParamTensor("mlp.w2.weight", (m.d, m.d_ff), 1),
+    ]
     if m.swiglu:
         out.append(ParamTensor("mlp.w3.weight", (m.d_ff, m.d), 0))
     return out + norm_tensors(m, "attn_norm") + norm_tensors(m, "mlp_norm")

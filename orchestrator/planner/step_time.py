@@ -28,6 +28,7 @@
   overlap and two per stage without, one per TP collective and pipeline send. The three factors
   can be fitted to finished trials in MLflow (:func:`orchestrator.planner.calibration.calibrate`).
 """
+
 from __future__ import annotations
 
 import math
@@ -67,8 +68,9 @@ def _overlap(comm: DictConfig) -> bool:
     return bool(comm.get("overlap", True))
 
 
-def dp_traffic_bytes(m: ModelShape, s: ParallelShape, n_params: float, precision: DictConfig, comm: DictConfig,
-                     planner: DictConfig) -> float:
+def dp_traffic_bytes(
+    m: ModelShape, s: ParallelShape, n_params: float, precision: DictConfig, comm: DictConfig, planner: DictConfig
+) -> float:
     """Bytes one rank sends per step for data parallelism."""
     if s.dp == 1:
         return 0.0
@@ -90,8 +92,15 @@ def dp_traffic_bytes(m: ModelShape, s: ParallelShape, n_params: float, precision
     return allreduce_bytes(n_params * gb, s.dp)
 
 
-def dp_calls(m: ModelShape, s: ParallelShape, n_params: float, layers: int, precision: DictConfig,
-             comm: DictConfig, planner: DictConfig) -> int:
+def dp_calls(
+    m: ModelShape,
+    s: ParallelShape,
+    n_params: float,
+    layers: int,
+    precision: DictConfig,
+    comm: DictConfig,
+    planner: DictConfig,
+) -> int:
     """Data-parallel collectives per step: one per DDP bucket; FSDP with overlap gathers twice
     and reduce-scatters once per block; without, one gather and one reduce-scatter per stage."""
     if s.dp <= 1:
@@ -105,6 +114,7 @@ def dp_calls(m: ModelShape, s: ParallelShape, n_params: float, layers: int, prec
 class StepParts:
     """Seconds per step at 100% efficiency and collective calls per step; :func:`combine`
     applies efficiencies, the per-call latency and the overlap."""
+
     compute_s: float
     backward_s: float
     bubble: float
@@ -137,8 +147,9 @@ class StepEstimate:
     latency_s: float
 
 
-def step_parts(m: ModelShape, s: ParallelShape, precision: DictConfig, comm: DictConfig, chip: DictConfig,
-               planner: DictConfig) -> StepParts:
+def step_parts(
+    m: ModelShape, s: ParallelShape, precision: DictConfig, comm: DictConfig, chip: DictConfig, planner: DictConfig
+) -> StepParts:
     act_b = BYTES[precision.compute_dtype]
     peak = float(chip.peak_tflops.get(precision.compute_dtype, chip.peak_tflops.get("fp32", 0.0))) * 1e12
     # a CPU "device" is a worker process: they all share the host, whose peak the cpu preset gives
@@ -161,33 +172,61 @@ def step_parts(m: ModelShape, s: ParallelShape, precision: DictConfig, comm: Dic
     n = max(rank_params(m, s, rc) for rc in contents)
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / _link(chip, s.world)
     overlap = float(planner.dp_overlap) if _overlap(comm) else 0.0
-    return StepParts(compute_s=compute, backward_s=backward, bubble=bubble_fraction(s), tp_comm_s=tp_s,
-                     pp_comm_s=pp_s, dp_comm_s=dp_s, tp_calls=tp_calls, pp_calls=pp_calls,
-                     dp_calls=dp_calls(m, s, n, layers, precision, comm, planner), overlap=overlap,
-                     latency_s=float(planner.collective_latency_us) * 1e-6, model_flops=flops, peak_flops=peak_all)
+    return StepParts(
+        compute_s=compute,
+        backward_s=backward,
+        bubble=bubble_fraction(s),
+        tp_comm_s=tp_s,
+        pp_comm_s=pp_s,
+        dp_comm_s=dp_s,
+        tp_calls=tp_calls,
+        pp_calls=pp_calls,
+        dp_calls=dp_calls(m, s, n, layers, precision, comm, planner),
+        overlap=overlap,
+        latency_s=float(planner.collective_latency_us) * 1e-6,
+        model_flops=flops,
+        peak_flops=peak_all,
+    )
 
 
-def combine(parts: StepParts, compute_efficiency: float, comm_efficiency: float,
-            latency_s: Optional[float] = None) -> StepEstimate:
+def combine(
+    parts: StepParts, compute_efficiency: float, comm_efficiency: float, latency_s: Optional[float] = None
+) -> StepEstimate:
     """Step time = compute / (1 - bubble) + TP + PP + the DP traffic not hidden behind backward;
     each collective costs ``latency_s + bytes / (bandwidth x comm_efficiency)`` (Hockney's
     alpha-beta model; ``latency_s`` defaults to the parts' own, planner.collective_latency_us)."""
     lat = parts.latency_s if latency_s is None else latency_s
     compute = parts.compute_s / compute_efficiency
     pipeline = compute / (1.0 - parts.bubble)
-    tp, pp, dp = (x / comm_efficiency + calls * lat for x, calls in
-                  ((parts.tp_comm_s, parts.tp_calls), (parts.pp_comm_s, parts.pp_calls),
-                   (parts.dp_comm_s, parts.dp_calls)))
+    tp, pp, dp = (
+        x / comm_efficiency + calls * lat
+        for x, calls in (
+            (parts.tp_comm_s, parts.tp_calls),
+            (parts.pp_comm_s, parts.pp_calls),
+            (parts.dp_comm_s, parts.dp_calls),
+        )
+    )
     exposed = dp - min(parts.overlap * dp, parts.backward_s / compute_efficiency)
     step = pipeline + tp + pp + exposed
-    return StepEstimate(step_time_s=step, mfu=parts.model_flops / (step * parts.peak_flops) if step > 0 else 0.0,
-                        bubble_fraction=parts.bubble, comm_share=(tp + pp + exposed) / step if step > 0 else 0.0,
-                        compute_s=pipeline, tp_comm_s=tp, pp_comm_s=pp, dp_comm_s=dp, dp_exposed_s=exposed,
-                        model_flops=parts.model_flops, compute_efficiency=compute_efficiency,
-                        comm_efficiency=comm_efficiency, latency_s=lat)
+    return StepEstimate(
+        step_time_s=step,
+        mfu=parts.model_flops / (step * parts.peak_flops) if step > 0 else 0.0,
+        bubble_fraction=parts.bubble,
+        comm_share=(tp + pp + exposed) / step if step > 0 else 0.0,
+        compute_s=pipeline,
+        tp_comm_s=tp,
+        pp_comm_s=pp,
+        dp_comm_s=dp,
+        dp_exposed_s=exposed,
+        model_flops=parts.model_flops,
+        compute_efficiency=compute_efficiency,
+        comm_efficiency=comm_efficiency,
+        latency_s=lat,
+    )
 
 
-def step_time(m: ModelShape, s: ParallelShape, precision: DictConfig, comm: DictConfig, chip: DictConfig,
-              planner: DictConfig) -> StepEstimate:
+def step_time(
+    m: ModelShape, s: ParallelShape, precision: DictConfig, comm: DictConfig, chip: DictConfig, planner: DictConfig
+) -> StepEstimate:
     parts = step_parts(m, s, precision, comm, chip, planner)
     return combine(parts, float(planner.compute_efficiency), float(planner.comm_efficiency))
