@@ -12,10 +12,11 @@ Tolerances, relative, per step:
   norm 1e-2 (measured on tp2pp2, and on dp2tp2 before it was dropped to save suite time:
   <= 5.3e-5 in loss, <= 2.3e-3 in grad norm, the largest at step 2). TP splits the matmuls'
   reductions over the hidden size, DP the weight gradients' reductions over the tokens; under
-  autocast each partial result is rounded to bf16 before the all-reduce adds them, where the single process rounds once: values differ by about bf16's unit
-  roundoff (2^-9 = 2e-3). The loss averages many such errors (~40x below it); the grad norm
-  shows them about whole. The bounds are 4-10x the measured figures, and each layout is also
-  held to 1e-5 in fp32 above, where a real bug shows (a broken embedding tie: about 7e-2 in loss).
+  autocast each partial result is rounded to bf16 before the all-reduce adds them, where the
+  single process rounds once: values differ by about bf16's unit roundoff (2^-9 = 2e-3). The
+  loss averages many such errors (~40x below it); the grad norm shows them about whole. The
+  bounds are 4-10x the measured figures, and each layout is also held to 1e-5 in fp32 above,
+  where a real bug shows (a broken embedding tie: about 7e-2 in loss).
 
 Tied embeddings (``model.tie_embeddings=true``, the llama_tiny shape otherwise): the vocab-parallel
 embedding and the vocab-sharded head are both Shard(0) over the tp mesh, so they stay one parameter
