@@ -181,11 +181,10 @@ def predict(cal: Calibration, cfg: DictConfig) -> float:
     return combine(trial_parts(cfg), *_factors(cal)).step_time_s
 
 
-def evaluate(cal: Calibration, trials: Sequence[MeasuredTrial]) -> HeldOut:
-    """Median and largest relative error and Spearman's rho of ``cal``'s predictions on ``trials``."""
+def _held_out(trials: Sequence[MeasuredTrial], predicted: List[float]) -> HeldOut:
+    """Median and largest relative error and Spearman's rho of ``predicted`` against ``trials``."""
     if not trials:
         return HeldOut(0, float("nan"), float("nan"), None)
-    predicted = [predict(cal, t.cfg) for t in trials]
     errors, runs = _compare(trials, predicted)
     return HeldOut(
         len(trials),
@@ -194,6 +193,11 @@ def evaluate(cal: Calibration, trials: Sequence[MeasuredTrial]) -> HeldOut:
         spearman_rho(predicted, [t.step_time_s for t in trials]),
         runs,
     )
+
+
+def evaluate(cal: Calibration, trials: Sequence[MeasuredTrial]) -> HeldOut:
+    """Median and largest relative error and Spearman's rho of ``cal``'s predictions on ``trials``."""
+    return _held_out(trials, [predict(cal, t.cfg) for t in trials])
 
 
 def split_by_layout(
@@ -296,11 +300,4 @@ def cross_validate(trials: Sequence[MeasuredTrial], planner: DictConfig) -> Held
         cal = calibrate(fit, planner)
         held_all += held
         predicted += [predict(cal, t.cfg) for t in held]
-    errors, runs = _compare(held_all, predicted)
-    return HeldOut(
-        len(held_all),
-        statistics.median(errors),
-        max(errors),
-        spearman_rho(predicted, [t.step_time_s for t in held_all]),
-        runs,
-    )
+    return _held_out(held_all, predicted)
