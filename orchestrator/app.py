@@ -1,20 +1,26 @@
 """The Hydra application: compose the config, hand it to :mod:`orchestrator.trial`.
 
 Exit codes: 0 finished; 1 the trial failed (its status and reason are in MLflow); 2 the config is
-broken (one line per broken rule, nothing launched, nothing recorded).
+broken (one line per broken rule, nothing launched, nothing recorded). Ctrl-C stops the process
+as an interrupt does; the trial's run and a sweep's parent run end KILLED.
+
+In a multirun a job whose point already finished (same config hash, ``tracking.skip_finished``)
+launches nothing: its result is the finished run's (see :func:`finished_before`).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
+from typing import Any, Dict, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from orchestrator import conf_dir, ray_sweep, trial
+from orchestrator import conf_dir, ray_sweep, sweep, trial
 from orchestrator.config import register_configs
 
 log = logging.getLogger("orchestrator")
@@ -36,12 +42,42 @@ def _report(result: dict) -> None:
         log.error("run %s ended %s: %s", result["run_id"], result["status"], result.get("reason", ""))
 
 
+def finished_before(cfg: DictConfig, job_num: int) -> Optional[Dict[str, Any]]:
+    """A sweep job's point that already finished: the result of the newest run with its config
+    hash (``reused: True``), recorded on the sweep's parent run; None when the job must run (not
+    in a sweep, ``tracking.skip_finished=false``, a sweeper that resumes by itself, no such run)."""
+    if not sweep.skips_finished(cfg.tracking):
+        return None
+    # the hash its run would carry: the chip resolved and the planner's mappings applied, as
+    # trial.start completes the config (on a copy: the job's own config stays as composed)
+    plan = trial.check(copy.deepcopy(cfg))
+    if plan["status"] != "ready":
+        return None
+    run = sweep.finished_run(cfg.tracking, plan["config_hash"])
+    if run is None:
+        return None
+    run_id = run.info.run_id
+    sweep.record_reused(job_num, run_id)
+    log.info("#%d already finished in run %s: skipped", job_num, run_id)
+    return {
+        "status": "finished",
+        "run_id": run_id,
+        "reused": True,
+        "config_hash": plan["config_hash"],
+        "summary": dict(run.data.metrics),
+    }
+
+
 def main(cfg: DictConfig, hc: DictConfig):
     """One job: the trial of ``cfg``, with the job's Hydra config ``hc`` (overrides, mode, launcher)."""
     overrides = list(hc.overrides.task)
     multirun = hc.mode == RunMode.MULTIRUN
     # under hydra/launcher=ray every trial goes to Ray; otherwise the trial's size decides
     launcher = "ray" if hc.runtime.choices.get("hydra/launcher") == "ray" else None
+    if multirun:
+        reused = finished_before(cfg, int(hc.job.num))
+        if reused is not None:
+            return reused
     try:
         result = trial.run(cfg, overrides, launcher=launcher, slot=ray_sweep.board_slot(hc))
     except trial.ConfigError as err:

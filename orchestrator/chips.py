@@ -116,6 +116,22 @@ def visible_devices(chip: DictConfig) -> Optional[int]:
     return None
 
 
+def socket_env(ifname: Optional[str], backend: str) -> Dict[str, str]:
+    """The variables that pin the collectives' sockets to ``comm.socket_ifname`` on every node.
+    gloo takes interface names (a comma-separated list). NCCL and HCCL read a bare name as a
+    prefix ("eth" matches eth0, eth1, ...) and "=name" as that exact interface, so they get the
+    exact form (NCCL docs, "NCCL_SOCKET_IFNAME"; CANN environment variable reference,
+    "HCCL_SOCKET_IFNAME"; HCCL_IF_IP, an address of one host, outranks it and stays per node)."""
+    if not ifname:
+        return {}
+    env = {"GLOO_SOCKET_IFNAME": str(ifname)}
+    if backend == "nccl":
+        env["NCCL_SOCKET_IFNAME"] = "=" + str(ifname)
+    elif backend == "hccl":
+        env["HCCL_SOCKET_IFNAME"] = "=" + str(ifname)
+    return env
+
+
 def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> RuntimeConfig:
     """What the workers need to know of the chip: device, backend, plugin and environment.
 
@@ -133,6 +149,7 @@ def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> RuntimeCo
     elif chip.dist_backend == "nccl":
         # NCCL allocates this per channel and per peer: MiB, not HCCL's per-communicator MB
         env["NCCL_BUFFSIZE"] = str(int(float(comm.nccl_buffsize_mb) * 1024 * 1024))
+    env.update(socket_env(comm.get("socket_ifname"), chip.dist_backend))
     env.update({k: str(v) for k, v in comm.env.items()})
     peak = float(chip.peak_tflops.get(compute_dtype, chip.peak_tflops.get("fp32", 0.0)))
     return RuntimeConfig(

@@ -49,6 +49,9 @@ class TrackingConfig:
     experiment: str = "default"
     artifact_location: Optional[str] = None  # default: ./mlartifacts next to the sqlite file
     enabled: bool = True
+    # a multirun does not launch a point whose config hash already has a finished run in the
+    # experiment (a re-run sweep launches only the missing points); false measures every point again
+    skip_finished: bool = True
 
 
 @dataclass
@@ -72,6 +75,21 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port
     start_method: str = "spawn"
+    # variables exported on the driver that reach a trial's workers on every node (a Ray worker
+    # inherits its raylet's environment, not the driver's); names ending _VISIBLE_DEVICES never
+    env_prefixes: List[str] = field(
+        default_factory=lambda: [
+            "NCCL_",
+            "HCCL_",
+            "GLOO_",
+            "ASCEND_",
+            "TORCH_NCCL_",
+            "TORCH_DISTRIBUTED_",
+            "MLFLOW_",
+            "AWS_",
+            "HF_",
+        ]
+    )
     ray: RayLaunchConfig = field(default_factory=RayLaunchConfig)
 
 

@@ -6,6 +6,7 @@ every worker, watches them, and restarts the whole worker group up to ``max_fail
 
 from __future__ import annotations
 
+import re
 import socket
 import uuid
 from typing import Any, Dict, Optional
@@ -39,20 +40,34 @@ def classify(message: str) -> str:
     return "crash"
 
 
-def _failure_reason(err: Exception) -> str:
-    failures = getattr(err, "failures", None)
-    if not failures:
-        return f"{type(err).__name__}: {err}"
-    rank, failure = sorted(failures.items())[0]
+def error_line(text: str) -> str:
+    """The last non-blank line of ``text``: an error's own message, under its traceback. A C++
+    error raised through Python (gloo's "Timed out waiting 5000ms for recv operation") ends with
+    pybind11's "At:" and the Python frames it passed; those are left out."""
+    text = re.split(r"\n\s*At:\s*\n", str(text))[0]
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def _rank_line(failure: Any) -> str:
     message = failure.message
     if isinstance(message, dict):  # the elastic error file: {"message": ..., "extraInfo": ...}
         message = message.get("message", "")
     message = str(message or "")
     if failure.signal_name() and failure.signal_name() != "<N/A>" and (not message or "Signal" in message):
-        message = f"killed by {failure.signal_name()}"
-    elif not message:
-        message = f"exit code {failure.exitcode}"
-    return f"rank {rank}: {message.strip().splitlines()[-1] if message.strip() else message}"
+        return f"killed by {failure.signal_name()}"
+    return error_line(message) or f"exit code {failure.exitcode}"
+
+
+def _failure_reason(err: Exception) -> str:
+    """One line: the lowest failed rank's, except that a rank whose collective timed out comes
+    before the others (a hung rank ended by the launcher says only "killed by SIGTERM")."""
+    failures = getattr(err, "failures", None)
+    if not failures:
+        return f"{type(err).__name__}: {err}"
+    lines = {rank: _rank_line(failure) for rank, failure in failures.items()}
+    rank = min(lines, key=lambda r: (classify(lines[r]) != "timeout", r))
+    return f"rank {rank}: {lines[rank]}"
 
 
 def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: Dict[str, Any]) -> Dict[str, Any]:

@@ -23,7 +23,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.ray_trial import BoardSlot, cluster, last_line
+from orchestrator.ray_trial import BoardSlot, cluster, cluster_address, last_line, worker_env
+from orchestrator.relay import on_this_node
 
 log = logging.getLogger("orchestrator")
 
@@ -140,12 +141,17 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        board = ray.remote(num_cpus=0)(_Board).options(name=board_name).remote()
+        board = on_this_node(_Board, name=board_name)
         # the jobs' own processes hold no devices (their trials' workers do) and stay on this node,
         # beside the sweep's files and MLflow store; a job is never re-run (it would record twice)
+        # the driver's exported variables (launch.env_prefixes) travel with the jobs to their trials
+        env = worker_env({}, list(config.launch.env_prefixes))
+        if cluster_address(config.launch.ray):  # a joined cluster: its trials know they run on one
+            env["RAY_ADDRESS"] = str(cluster_address(config.launch.ray))
         run = ray.remote(_run_job).options(
             num_cpus=0,
             max_retries=0,
+            runtime_env={"env_vars": env} if env else None,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
         )
         resources = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "NPU")}

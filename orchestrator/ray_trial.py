@@ -25,12 +25,14 @@ import logging
 import math
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from orchestrator.launch import TrialFailed, classify
+from orchestrator import relay
+from orchestrator.launch import TrialFailed, classify, error_line
 
 log = logging.getLogger("orchestrator")
 
@@ -157,17 +159,18 @@ def _code_runtime_env() -> Optional[Dict[str, Any]]:
     return {"working_dir": str(root)} if (root / "pyproject.toml").is_file() else None
 
 
-class _Attempts:
-    """Counts each rank's starts: a restarted worker group knows it is a restart (the trainer's
-    fault drill fires on the first attempt only, as under torch's elastic launcher)."""
+class _Roster:
+    """Where each rank of each attempt of a trial runs (Ray node id and address); the driver
+    reads it to name the node a failed attempt lost."""
 
     def __init__(self) -> None:
-        self._starts: Dict[int, int] = {}
+        self._nodes: Dict[int, Dict[int, Tuple[str, str]]] = {}
 
-    def register(self, rank: int) -> int:
-        n = self._starts.get(rank, 0)
-        self._starts[rank] = n + 1
-        return n
+    def place(self, attempt: int, rank: int, node_id: str, ip: str) -> None:
+        self._nodes.setdefault(attempt, {})[rank] = (node_id, ip)
+
+    def nodes(self, attempt: int) -> Dict[int, Tuple[str, str]]:
+        return dict(self._nodes.get(attempt, {}))
 
 
 def _train_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
@@ -186,9 +189,18 @@ def _train_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         ("NODE_RANK", ctx.get_node_rank()),
     ):
         os.environ.setdefault(key, str(value))
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(ray.get(config["attempts"].register.remote(rank)))
-    if rank == 0 and config["board"] is not None:
-        config["board"].place.remote(config["key"])
+    # a restarted worker group knows it is one (the fault drills fire on the first attempt only)
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(config["attempt"])
+    node_id = ray.get_runtime_context().get_node_id()
+    ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "?")
+    ray.get(config["roster"].place.remote(config["attempt"], rank, node_id, ip))
+    if rank == 0:
+        if config["reporter"] is not None:
+            config["reporter"].tag("trial.rank0_node", node_id)
+            config["reporter"].tag("trial.rank0_ip", ip)
+            config["reporter"].tag("trial.attempts", str(config["attempt"] + 1))
+        if config["board"] is not None:
+            config["board"].place.remote(config["key"])
     if os.path.isdir(config["cwd"]):  # Ray Train starts workers in its own run folder
         os.chdir(config["cwd"])
     from trainers.loop import worker_entry
@@ -201,8 +213,7 @@ _COLLATERAL = ("connection reset by peer", "connection closed by peer", "broken 
 
 def last_line(text: str) -> str:
     """The last non-blank line of ``text`` (an error's own message, under its traceback)."""
-    lines = [line.strip() for line in str(text).strip().splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+    return error_line(text)
 
 
 def _death(failure: Exception) -> str:
@@ -230,6 +241,69 @@ def failure_reason(err: Exception) -> str:
     return f"rank {rank}: {type(failure).__name__}: {last_line(str(failure))}"
 
 
+# variables whose value belongs to one host (HCCL_IF_IP: that host's own address) or to one
+# rendezvous (NCCL_COMM_ID): never copied from the driver to the workers
+NODE_OWN = ("HCCL_IF_IP", "NCCL_COMM_ID")
+
+
+def worker_env(runtime_env: Dict[str, Any], prefixes: Sequence[str]) -> Dict[str, str]:
+    """The environment a trial's workers get on every node (a Ray worker inherits its raylet's
+    environment, not the driver's): the backend variables of the chip and ``comm`` sections,
+    where a value the user exported on the driver wins (as ``trainers.runtime.apply_env`` lets it
+    win on one node), and every driver variable whose name starts with one of ``prefixes``
+    (``launch.env_prefixes``). Device visibility is Ray's to set per worker, never copied."""
+    env = {k: os.environ.get(k, str(v)) for k, v in runtime_env.items()}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(tuple(prefixes))})
+    return {k: v for k, v in env.items() if not k.endswith("_VISIBLE_DEVICES") and k not in NODE_OWN}
+
+
+def _tag_nodes(reporter: Any, placed: Dict[int, Tuple[str, str]]) -> None:
+    """Tag the trial's run with the nodes its last worker group ran on (``trial.nodes``)."""
+    if reporter is not None and placed:
+        nodes = sorted({f"{ip} ({node[:12]})" for node, ip in placed.values()})
+        reporter.tag("trial.nodes", ", ".join(nodes))
+
+
+def _pong() -> bool:
+    return True
+
+
+def _lost_nodes(placed: Dict[int, Tuple[str, str]], wait_s: float = 30.0) -> List[str]:
+    """The nodes among ``placed`` (rank -> (node id, ip)) that are gone, as "ip (node id)". Each
+    node gets a no-resource task pinned to it: a node that runs it is alive. Ray declares a node
+    whose raylet vanished dead after a few missed health checks (GCS ``health_check_period_ms``
+    x ``health_check_failure_threshold``, seconds), later than its workers' deaths reach the
+    trial: wait up to ``wait_s`` for one answer or the other."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ours = {node: ip for node, ip in placed.values()}
+    ping = ray.remote(num_cpus=0, max_retries=0)(_pong)
+    pings = {
+        node: ping.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+        for node in ours
+    }
+    answered: set = set()
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        dead = {node for node in ours if node not in alive}
+        waiting = [ref for node, ref in pings.items() if node not in dead and node not in answered]
+        if waiting:
+            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=1.0)
+            for node, ref in pings.items():
+                if ref in ready:
+                    try:
+                        ray.get(ref)
+                        answered.add(node)
+                    except Exception:  # noqa: BLE001 - the node went while the ping ran: counted dead below
+                        pass
+        if dead | answered >= set(ours) or time.monotonic() > deadline:
+            for ref in pings.values():
+                ray.cancel(ref, force=True)
+            return sorted(f"{ours[node]} ({node[:12]})" for node in dead)
+
+
 def launch_trial(
     spec: Dict[str, Any],
     reporter: Any,
@@ -241,58 +315,86 @@ def launch_trial(
 ) -> Dict[str, Any]:
     """Run ``trainers.loop.worker_entry`` in ``world_size`` Ray Train workers; rank 0's summary.
     The same signature as :func:`orchestrator.launch.launch_local`, plus where the workers go and,
-    for a job of a Ray sweep, its ``slot`` on the sweep's progress board."""
+    for a job of a Ray sweep, its ``slot`` on the sweep's progress board.
+
+    A failed worker group is restarted up to ``launch.max_failures`` times, on whatever nodes Ray
+    gives it, resuming from the newest complete checkpoint; a restart is attempted only when the
+    nodes still alive can hold the whole group (else it would wait for capacity forever). A
+    failure that lost a node ends ``node_lost``, naming it."""
     ray_cfg = launch.get("ray") or {}
+    max_failures = int(launch.get("max_failures", 0))
     with cluster(ray_cfg):
         import ray
         from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
         from ray.train.torch import TorchConfig
 
-        totals = [float(n["Resources"].get(placement.resource, 0.0)) for n in ray.nodes() if n.get("Alive")]
-        units = placement.units(world_size, totals)
         rt = spec.runtime
-        # backend variables (HCCL_BUFFSIZE, NCCL_BUFFSIZE) before the workers start, unless the
-        # user set them; the trainer applies them again, for the local path
-        env = {k: str(v) for k, v in rt.env.items() if k not in os.environ}
+        env = worker_env(rt.env, launch.get("env_prefixes") or ())
         board, key = (ray.get_actor(slot.board), slot.key) if slot is not None else (None, -1)
-        trainer = _trainer_class()(
-            _train_worker,
-            train_loop_config={
-                "spec": spec,
-                "reporter": reporter,
-                "cwd": os.getcwd(),
-                "board": board,
-                "key": key,
-                "attempts": ray.remote(num_cpus=0)(_Attempts).remote(),
-            },
-            scaling_config=ScalingConfig(
-                num_workers=world_size,
-                use_gpu=placement.resource == "GPU",
-                resources_per_worker={placement.resource: units},
-                # one node: all on it (as the local launcher would); more: fill nodes in turn
-                placement_strategy="STRICT_PACK" if placement.nodes == 1 else "PACK",
-            ),
-            torch_config=TorchConfig(backend=rt.backend, timeout_s=int(math.ceil(float(rt.timeout_s)))),
-            run_config=RunConfig(
-                name=f"trial-{getattr(reporter, 'run_id', None) or uuid.uuid4().hex[:12]}",
-                failure_config=FailureConfig(max_failures=int(launch.get("max_failures", 0))),
-                worker_runtime_env={"env_vars": env} if env else None,
-                callbacks=_accelerator_callbacks(placement.resource),
-            ),
-        )
-        log.info(
-            "trial on Ray: %d worker(s) x {%s: %d}%s",
-            world_size,
-            placement.resource,
-            units,
-            ", whole nodes" if placement.exclusive else "",
-        )
-        try:
-            result = trainer.fit()
-        except TrainingFailedError as err:
-            reason = failure_reason(err)
-            raise TrialFailed(classify(reason), reason) from None
-        return result.return_value or {}
+        roster = relay.on_this_node(_Roster)
+        workers_reporter = relay.for_workers(reporter)
+        name = f"trial-{getattr(reporter, 'run_id', None) or uuid.uuid4().hex[:12]}"
+        for attempt in range(max_failures + 1):
+            alive = [n for n in ray.nodes() if n.get("Alive")]
+            units = placement.units(world_size, [float(n["Resources"].get(placement.resource, 0.0)) for n in alive])
+            trainer = _trainer_class()(
+                _train_worker,
+                train_loop_config={
+                    "spec": spec,
+                    "reporter": workers_reporter,
+                    "cwd": os.getcwd(),
+                    "board": board,
+                    "key": key,
+                    "attempt": attempt,
+                    "roster": roster,
+                },
+                scaling_config=ScalingConfig(
+                    num_workers=world_size,
+                    use_gpu=placement.resource == "GPU",
+                    resources_per_worker={placement.resource: units},
+                    # one node: all on it (as the local launcher would); more: fill nodes in turn
+                    placement_strategy="STRICT_PACK" if placement.nodes == 1 else "PACK",
+                ),
+                torch_config=TorchConfig(backend=rt.backend, timeout_s=int(math.ceil(float(rt.timeout_s)))),
+                run_config=RunConfig(
+                    name=f"{name}-{attempt}",
+                    # restarts are this loop's: it checks the capacity left and names lost nodes
+                    failure_config=FailureConfig(max_failures=0),
+                    worker_runtime_env={"env_vars": env} if env else None,
+                    callbacks=_accelerator_callbacks(placement.resource),
+                ),
+            )
+            log.info(
+                "trial on Ray: %d worker(s) x {%s: %d}%s%s",
+                world_size,
+                placement.resource,
+                units,
+                ", whole nodes" if placement.exclusive else "",
+                f", restart {attempt} of {max_failures}" if attempt else "",
+            )
+            try:
+                summary = trainer.fit().return_value or {}
+                _tag_nodes(reporter, ray.get(roster.nodes.remote(attempt)))
+                return summary
+            except TrainingFailedError as err:
+                reason = failure_reason(err)
+                status = classify(reason)
+            placed = ray.get(roster.nodes.remote(attempt))
+            _tag_nodes(reporter, placed)
+            lost = _lost_nodes(placed)
+            if lost:
+                status, reason = "node_lost", f"lost node {', '.join(lost)}: {reason}"
+            if attempt == max_failures:
+                raise TrialFailed(status, reason)
+            try:
+                placement.units(
+                    world_size,
+                    [float(n["Resources"].get(placement.resource, 0.0)) for n in ray.nodes() if n.get("Alive")],
+                )
+            except TrialFailed as no_room:
+                raise TrialFailed(status, f"{reason}; not restarted: {no_room.reason}") from None
+            log.warning("trial attempt %d ended %s (%s): restarting", attempt, status, reason)
+        raise AssertionError("unreachable")
 
 
 def _trainer_class():

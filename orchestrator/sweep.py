@@ -5,7 +5,22 @@ so both launchers get it. At the start of a multirun it creates the parent run: 
 (the sweep id), the sweep's overrides as params and as ``overrides.txt``. Around each job it tells
 the trial which sweep it belongs to (the trial tags its run ``sweep`` and ``mlflow.parentRunId``,
 see :func:`child_tags`) and afterwards logs the sweep's progress on the parent: metrics
-``trials_done``, ``trials_failed``, ``trials_running``. At the end it closes the parent.
+``trials_done``, ``trials_failed``, ``trials_running``, ``trials_reused``. At the end it closes
+the parent.
+
+The parent always ends. Hydra calls no callback when a sweep raises, so the callback also closes
+it when the driver's process exits without ``on_multirun_end`` (an ``atexit`` hook it holds while
+the sweep runs): KILLED with ``sweep.status=killed`` after an interrupt (Ctrl-C, or a SIGTERM,
+which the callback turns into one unless something else handles SIGTERM: a local Ray cluster
+stops itself on it and exits 1, which reads as a crash), FAILED with ``sweep.status=failed`` and
+``sweep.reason`` otherwise; trials of the sweep still RUNNING then (a Ray job cancelled under its
+trial) end killed or crash.
+
+A re-run sweep skips the points already finished: a job whose config hash has a finished run in
+its experiment is not launched (:func:`finished_run`, ``tracking.skip_finished``); the parent
+records the run it reused (tag ``sweep.reused.<job number>``). A sweeper that resumes by itself
+and launches one config several times on purpose (``hydra/sweeper=ovat``'s repeats) turns this
+off for its jobs with :func:`sweeper_resumes`.
 
 A job may run in another process than the sweep (a Ray task): the callback travels there with
 Hydra's context, and the trial reads its sweep from that process's environment.
@@ -13,11 +28,15 @@ Hydra's context, and the trial reads its sweep from that process's environment.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import re
+import signal
+import sys
+import threading
 import time
 import uuid
 from typing import Any, Dict, Iterator, Optional
@@ -29,6 +48,9 @@ from orchestrator import tracking
 
 log = logging.getLogger("orchestrator")
 ENV = "ORCHESTRATOR_SWEEP"  # the job's sweep, as JSON: id, parent run id, tracking uri, experiment
+REUSED_TAG = "sweep.reused."  # + the job's number, on the parent: the finished run a job reused
+# the parent run's MLflow status for a sweep.status
+RUN_STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 
 
 def active(hydra_context: Any) -> Optional[Dict[str, str]]:
@@ -37,6 +59,13 @@ def active(hydra_context: Any) -> Optional[Dict[str, str]]:
     ``hydra_context``) started; None outside a multirun or with tracking disabled."""
     callbacks = getattr(getattr(hydra_context, "callbacks", None), "callbacks", None) or []
     return next((c.sweep for c in callbacks if isinstance(c, SweepCallback)), None)
+
+
+def sweeper_resumes(sweep_info: Dict[str, Any]) -> None:
+    """The sweeper of ``sweep_info`` reuses finished runs itself and may launch one config several
+    times on purpose (repeats): its jobs launch what they are given, never skipping a finished hash.
+    Call it before the first launch (the Ray launcher ships the sweep to its jobs then)."""
+    sweep_info["skip_finished"] = False
 
 
 def discard(sweep_info: Dict[str, Any]) -> None:
@@ -62,17 +91,62 @@ def job_env(sweep: Optional[Dict[str, str]]) -> Iterator[None]:
             os.environ[ENV] = old
 
 
+def current() -> Optional[Dict[str, Any]]:
+    """The sweep of the job running in this process (see :func:`job_env`); None outside a sweep."""
+    raw = os.environ.get(ENV)
+    return json.loads(raw) if raw else None
+
+
 def child_tags(tracking_cfg: DictConfig) -> Dict[str, str]:
     """Tags that put a trial's run into the sweep of the job running it; {} outside a sweep.
     The run nests under the parent only in the parent's store and experiment."""
-    raw = os.environ.get(ENV)
-    if not raw:
+    sweep = current()
+    if sweep is None:
         return {}
-    sweep = json.loads(raw)
     tags = {"sweep": sweep["id"]}
     if tracking.resolve_uri(tracking_cfg) == sweep["uri"] and tracking_cfg.experiment == sweep["experiment"]:
         tags["mlflow.parentRunId"] = sweep["parent_run_id"]
     return tags
+
+
+def skips_finished(tracking_cfg: DictConfig) -> bool:
+    """Does the job running in this process skip a point already finished? In a sweep, with
+    tracking on, ``tracking.skip_finished`` and a sweeper that does not resume by itself."""
+    sweep = current()
+    return (
+        sweep is not None
+        and bool(sweep.get("skip_finished", True))
+        and bool(tracking_cfg.enabled)
+        and bool(tracking_cfg.skip_finished)
+    )
+
+
+def finished_run(tracking_cfg: DictConfig, config_hash: str) -> Optional[Any]:
+    """The newest run of the job's experiment that finished ``config_hash`` (MLflow status
+    FINISHED, ``trial.status=finished``), or None."""
+    uri = tracking.resolve_uri(tracking_cfg)
+    c = tracking.client(uri)
+    exp = c.get_experiment_by_name(str(tracking_cfg.experiment))
+    if exp is None:
+        return None
+    runs = c.search_runs(
+        [exp.experiment_id],
+        filter_string=(
+            f"tags.`trial.config_hash` = '{config_hash}' and tags.`trial.status` = '{tracking.STATUS_OK}' "
+            "and attributes.status = 'FINISHED'"
+        ),
+        max_results=1,
+        order_by=["attributes.start_time DESC"],
+    )
+    return runs[0] if runs else None
+
+
+def record_reused(job_num: int, run_id: str) -> None:
+    """Note on the sweep's parent run that job ``job_num`` reused the finished run ``run_id``
+    (one tag per job: jobs running at once never overwrite each other's)."""
+    sweep = current()
+    if sweep is not None:
+        tracking.client(sweep["uri"]).set_tag(sweep["parent_run_id"], f"{REUSED_TAG}{job_num}", run_id)
 
 
 def _param_key(override: str) -> str:
@@ -112,53 +186,128 @@ def start_sweep(config: DictConfig) -> Dict[str, str]:
         "uri": uri,
         "experiment": experiment,
         "experiment_id": exp,
+        "skip_finished": True,  # its jobs may skip finished points (see sweeper_resumes)
     }
 
 
-def progress(sweep: Dict[str, str]) -> Dict[str, int]:
-    """Trials of the sweep so far, by state, counted from their runs (whichever process ran them)."""
+def _trial_runs(sweep: Dict[str, Any]) -> list:
     c = tracking.client(sweep["uri"])
     runs = c.search_runs([sweep["experiment_id"]], filter_string=f"tags.sweep = '{sweep['id']}'", max_results=50000)
-    statuses = [r.data.tags.get("trial.status", "running") for r in runs if r.info.run_id != sweep["parent_run_id"]]
+    return [r for r in runs if r.info.run_id != sweep["parent_run_id"]]
+
+
+def progress(sweep: Dict[str, Any]) -> Dict[str, int]:
+    """Trials of the sweep so far, by state, counted from their runs (whichever process ran them),
+    and the points its jobs did not launch because they had finished before (``trials_reused``)."""
+    statuses = [r.data.tags.get("trial.status", "running") for r in _trial_runs(sweep)]
+    parent_tags = tracking.client(sweep["uri"]).get_run(sweep["parent_run_id"]).data.tags
     return {
         "trials_done": sum(s == tracking.STATUS_OK for s in statuses),
         "trials_failed": sum(s in tracking.FAILED_STATUSES for s in statuses),
         "trials_running": sum(s == "running" for s in statuses),
+        "trials_reused": sum(k.startswith(REUSED_TAG) for k in parent_tags),
     }
 
 
-def log_progress(sweep: Dict[str, str]) -> Dict[str, int]:
+def log_progress(sweep: Dict[str, Any]) -> Dict[str, int]:
     counts = progress(sweep)
-    tracking.log_metrics(
-        sweep["uri"], sweep["parent_run_id"], counts, step=counts["trials_done"] + counts["trials_failed"]
-    )
+    step = counts["trials_done"] + counts["trials_failed"] + counts["trials_reused"]
+    tracking.log_metrics(sweep["uri"], sweep["parent_run_id"], counts, step=step)
     return counts
 
 
-def end_sweep(sweep: Dict[str, str]) -> None:
-    counts = log_progress(sweep)
+def end_sweep(sweep: Dict[str, Any], status: str = "finished", reason: str = "") -> None:
+    """Close the parent run: ``status`` finished, failed (the driver crashed: ``reason``) or killed
+    (interrupted). A sweep that did not finish first ends its trials still RUNNING (their job was
+    cancelled or died with the driver): killed after an interrupt, else crash."""
     c = tracking.client(sweep["uri"])
-    c.set_tag(sweep["parent_run_id"], "sweep.status", "finished")
-    c.set_terminated(sweep["parent_run_id"], "FINISHED")
-    log.info("sweep %s: %d finished, %d failed", sweep["id"], counts["trials_done"], counts["trials_failed"])
+    if status != "finished":
+        trial_status = tracking.STATUS_KILLED if status == "killed" else "crash"
+        for r in _trial_runs(sweep):
+            if r.info.status == "RUNNING":
+                tracking.end_run(sweep["uri"], r.info.run_id, trial_status, f"the sweep's driver ended: {reason}")
+    counts = log_progress(sweep)
+    c.set_tag(sweep["parent_run_id"], "sweep.status", status)
+    if reason:
+        c.set_tag(sweep["parent_run_id"], "sweep.reason", reason[:5000])
+    c.set_terminated(sweep["parent_run_id"], RUN_STATUS[status])
+    reused = f", {counts['trials_reused']} reused (finished before)" if counts["trials_reused"] else ""
+    line = f"sweep {sweep['id']}: {counts['trials_done']} finished, {counts['trials_failed']} failed{reused}"
+    if status == "finished":
+        log.info(line)
+    else:
+        log.warning("%s; %s: %s", line, status, reason)
+
+
+def _last_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[-1] if text else ''}".rstrip(": ")
 
 
 class SweepCallback(Callback):
     """The parent run of a multirun and the nesting of its trials (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.sweep: Optional[Dict[str, str]] = None
+        self.sweep: Optional[Dict[str, Any]] = None
+        self.pid: Optional[int] = None  # the driver's process, where the parent is closed
+        self.job_error: Optional[str] = None  # the last job that raised (Hydra's basic sweeper re-raises it)
+        self.terminated: Optional[str] = None  # the signal that stopped the driver, if one did
+        self._sigterm: Any = None  # the driver's SIGTERM handler before the sweep
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.tracking.enabled:
             self.sweep = start_sweep(config)
+            self.pid = os.getpid()
+            atexit.register(self._driver_exits)
+            if threading.current_thread() is threading.main_thread():
+                # a SIGTERM ends the driver as Ctrl-C does (with the default handler, no exit
+                # hook would run); a local Ray cluster installs its own later
+                if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                    self._sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self.terminated = signal.Signals(signum).name
+        raise KeyboardInterrupt(self.terminated)
+
+    def _restore_signals(self) -> None:
+        if self._sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm)
+            self._sigterm = None
+
+    def abandon(self, err: Optional[BaseException]) -> None:
+        """Close the parent run of a sweep that ends without ``on_multirun_end``: KILLED when
+        ``err`` (what ended the driver, None when unknown) is an interrupt, FAILED otherwise."""
+        self._restore_signals()
+        if self.sweep is None or self.sweep.get("discarded") or self.sweep.get("ended"):
+            return
+        self.sweep["ended"] = True
+        if isinstance(err, KeyboardInterrupt) or self.terminated:
+            status, reason = "killed", f"interrupted ({self.terminated or 'KeyboardInterrupt'})"
+        else:
+            status = "failed"
+            reason = _last_line(err) if err is not None else (self.job_error or "the driver exited")
+        end_sweep(self.sweep, status, reason)
+
+    def _driver_exits(self) -> None:
+        # an exit hook: an uncaught exception is sys.last_value by now (Hydra reports the others
+        # and exits 1, which reads as a crash)
+        if os.getpid() != self.pid:
+            return
+        try:
+            self.abandon(getattr(sys, "last_value", None))
+        except Exception as err:  # noqa: BLE001 - the process is exiting: say so, do not mask its error
+            log.warning("sweep %s: parent run not closed: %s", (self.sweep or {}).get("id"), err)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if self.sweep is not None:
             os.environ[ENV] = json.dumps(self.sweep)
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        from hydra.core.utils import JobStatus
+
         os.environ.pop(ENV, None)
+        if getattr(job_return, "status", None) == JobStatus.FAILED:
+            self.job_error = _last_line(job_return._return_value)
         if self.sweep is not None:
             try:
                 log_progress(self.sweep)
@@ -166,5 +315,8 @@ class SweepCallback(Callback):
                 log.warning("sweep %s: progress not recorded: %s", self.sweep["id"], err)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        if self.sweep is not None and not self.sweep.get("discarded"):
+        self._restore_signals()
+        if self.sweep is not None and not self.sweep.get("discarded") and not self.sweep.get("ended"):
             end_sweep(self.sweep)
+            self.sweep["ended"] = True
+        atexit.unregister(self._driver_exits)

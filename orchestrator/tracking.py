@@ -21,7 +21,10 @@ from omegaconf import DictConfig, OmegaConf
 # sections that define what a trial computes; tracking and launch details do not change it
 HASHED_SECTIONS = ("chip", "parallel", "precision", "comm", "model", "data", "trainer")
 STATUS_OK = "finished"
-FAILED_STATUSES = ("infeasible", "oom", "nonfinite", "timeout", "crash", "unsupported_op")
+STATUS_KILLED = "killed"  # the driver was interrupted (Ctrl-C, SIGTERM) while the trial ran
+FAILED_STATUSES = ("infeasible", "oom", "nonfinite", "timeout", "crash", "node_lost", "unsupported_op", STATUS_KILLED)
+# MLflow's own run status for a trial status: KILLED for an interrupt, FAILED for any other failure
+RUN_STATUS = {STATUS_OK: "FINISHED", STATUS_KILLED: "KILLED"}
 
 
 def resolve_uri(tracking: DictConfig | Dict[str, Any]) -> str:
@@ -112,7 +115,7 @@ def end_run(uri: str, run_id: str, status: str, reason: str = "") -> None:
     c.set_tag(run_id, "trial.status", status)
     if reason:
         c.set_tag(run_id, "trial.reason", reason[:5000])
-    c.set_terminated(run_id, "FINISHED" if status == STATUS_OK else "FAILED")
+    c.set_terminated(run_id, RUN_STATUS.get(status, "FAILED"))
 
 
 class MlflowReporter:
@@ -180,6 +183,10 @@ class MlflowReporter:
 
     def log_artifact(self, path: str, folder: str = "") -> None:
         self._mlflow().log_artifact(self.run_id, path, folder or None)
+
+    def tag(self, key: str, value: str) -> None:
+        """A tag of the trial's run, set from a worker (where rank 0 runs, its restarts)."""
+        self._mlflow().set_tag(self.run_id, key, value)
 
     def checkpoint(self, step: int, path: str) -> None:
         """The newest complete checkpoint, by reference (checkpoints of large models do not

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from orchestrator import chips, planner, ray_trial, sweep, tracking
 from orchestrator.launch import TrialFailed, launch_local, trial_nodes
 from orchestrator.ray_trial import BoardSlot, Placement
-from orchestrator.validate import Layout, layout, validate
+from orchestrator.validate import Layout, cluster_errors, layout, validate
 from trainers.config import TrialSpec
 
 log = logging.getLogger("orchestrator")
@@ -62,6 +64,7 @@ def resolve(cfg: DictConfig, launcher: Optional[str] = None) -> ResolvedTrial:
     lay = layout(cfg)
     nodes = trial_nodes(lay.world_size, int(cfg.chip.devices_per_node), int(cfg.launch.nnodes))
     errors = validate(cfg) + ray_trial.launch_errors(cfg.chip, cfg.launch, lay.world_size, nodes)
+    errors += cluster_errors(cfg, nodes)
     if errors:
         raise ConfigError(errors)
     to_ray = launcher == "ray" or (launcher is None and ray_trial.goes_to_ray(nodes, cfg.launch.ray))
@@ -175,6 +178,19 @@ def check(cfg: DictConfig) -> Dict[str, Any]:
     }
 
 
+def _checkpoint_dir(cfg: DictConfig, run_id: str) -> str:
+    """The trial's checkpoint folder, shared by its ranks and by its restarted worker groups.
+    Unset: ``./checkpoints/<run id>``. Set, for one trial: that folder itself (the same command
+    run again resumes from it). Set, in a sweep: a root, each trial in ``<root>/<run id>``, so that
+    no trial resumes from another's checkpoints."""
+    root = cfg.trainer.checkpoint_dir
+    if not root:
+        return str(Path("checkpoints").resolve() / run_id)
+    if sweep.child_tags(cfg.tracking):
+        return str(root).rstrip("/") + "/" + run_id
+    return str(root)
+
+
 @dataclass
 class Trial:
     """A trial past validation and preflight: recorded in MLflow (a run with status running) and
@@ -228,9 +244,8 @@ def start(
         reporter = tracking.MlflowReporter(uri, run_id, int(cfg.trainer.steps), progress)
         tracking.log_metrics(uri, run_id, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "world_size": lay.world_size})
         _log_preflight(uri, run_id, report)
-    if cfg.trainer.checkpoint_every > 0 and not spec.trainer.checkpoint_dir:
-        # one folder per trial, shared by its ranks and by its restarted worker groups
-        spec.trainer.checkpoint_dir = str(Path("checkpoints").resolve() / (result["run_id"] or uuid.uuid4().hex))
+    if cfg.trainer.checkpoint_every > 0:
+        spec.trainer.checkpoint_dir = _checkpoint_dir(cfg, result["run_id"] or uuid.uuid4().hex)
     if cfg.trainer.profile and not spec.trainer.profile_dir:
         spec.trainer.profile_dir = str(Path("profiles").resolve() / (result["run_id"] or uuid.uuid4().hex))
     trial.spec, trial.reporter = spec, reporter
@@ -252,16 +267,31 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
         f"dp{lay.dp}tp{lay.tp}pp{lay.pp}",
         lay.world_size,
     )
+    # torch's elastic launcher turns SIGINT/SIGTERM into its own SignalException (an Exception,
+    # which Hydra reports and swallows) and never restores the handlers it installs: give the
+    # driver its own back after the launch, so a later Ctrl-C is a KeyboardInterrupt again
+    interrupts = (signal.SIGINT, signal.SIGTERM)
+    main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.getsignal(s) for s in interrupts} if main_thread else {}
     try:
         summary = launch(trial.spec, reporter, lay.world_size, trial.resolved.launch_section())
         result.update(status=tracking.STATUS_OK, summary=summary)
     except TrialFailed as err:
         result.update(status=err.status, reason=err.reason)
     except BaseException as err:  # the control plane itself was interrupted: still close the run
-        result.update(status="crash", reason=f"{type(err).__name__}: {err}")
+        # a KeyboardInterrupt, or torch's SignalException for SIGINT/SIGTERM
+        interrupted = isinstance(err, KeyboardInterrupt) or getattr(err, "sigval", None) in interrupts
+        result.update(status=tracking.STATUS_KILLED if interrupted else "crash", reason=f"{type(err).__name__}: {err}")
         if reporter is not None:
             tracking.end_run(reporter.uri, reporter.run_id, result["status"], result["reason"])
+        if interrupted and not isinstance(err, KeyboardInterrupt):
+            # one kind of interrupt for the driver: the sweep stops, and its parent run ends KILLED
+            raise KeyboardInterrupt(str(err)) from None
         raise
+    finally:
+        for signum, handler in handlers.items():
+            if handler is not None:
+                signal.signal(signum, handler)
     if reporter is not None:
         tracking.end_run(reporter.uri, reporter.run_id, result["status"], result.get("reason", ""))
     return result

@@ -7,6 +7,8 @@ job (the dataclass schemas); what is here needs more than one key, the chip, or 
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List
@@ -34,7 +36,7 @@ CHOICES = {
     "data.name": ("stdlib", "memmap", "synthetic"),
     "trainer.optimizer": ("adamw",),
     "launch.start_method": ("spawn", "forkserver", "fork"),
-    "trainer.fault.inject": ("nan", "overflow"),
+    "trainer.fault.inject": ("nan", "overflow", "hang"),
 }
 POSITIVE = (
     "model.vocab_size",
@@ -149,6 +151,27 @@ def _knob_rules(cfg: DictConfig, err) -> None:
                     f"data.val_fraction={d.val_fraction} of data.path={d.path} holds {held_out} tokens, fewer than "
                     f"trainer.seq_len+1={t.seq_len + 1}: trainer.eval_every has nothing to evaluate"
                 )
+
+
+def _hang_rules(f: DictConfig, steps: int, world_size: int, err) -> None:
+    """``trainer.fault.inject=hang`` turns the rank drill (kill_rank, at_step) into a hang; it
+    needs that drill set, no NaN drill beside it, and a peer whose collective can time out."""
+    if f.inject != "hang":
+        return
+    if f.kill_rank < 0 or f.at_step < 0:
+        err(
+            f"trainer.fault.inject=hang needs trainer.fault.kill_rank and trainer.fault.at_step (the rank that "
+            f"hangs and the step), got kill_rank={f.kill_rank} at_step={f.at_step}"
+        )
+    elif f.at_step >= steps:
+        err(f"trainer.fault.at_step={f.at_step} is past trainer.steps={steps}: the hang (inject=hang) never fires")
+    if f.nan_at_step >= 0:
+        err(
+            f"trainer.fault.nan_at_step={f.nan_at_step} with trainer.fault.inject=hang: the NaN drill takes "
+            f"inject=nan or overflow; set trainer.fault.nan_at_step=-1 or another inject"
+        )
+    if world_size < 2:
+        err("trainer.fault.inject=hang needs at least 2 processes: a peer's collective is what times out")
 
 
 def validate(cfg: DictConfig) -> List[str]:
@@ -291,6 +314,7 @@ def validate(cfg: DictConfig) -> List[str]:
         err(f"trainer.fault.kill_rank={t.fault.kill_rank} is not a rank of a {lay.world_size}-process trial")
     if t.fault.nan_layer >= m.n_layers:
         err(f"trainer.fault.nan_layer={t.fault.nan_layer} is not a layer of model.n_layers={m.n_layers}")
+    _hang_rules(t.fault, int(t.steps), lay.world_size, err)
 
     # data
     d = cfg.data
@@ -309,3 +333,38 @@ def validate(cfg: DictConfig) -> List[str]:
     if ray is not None and ray.num_cpus is not None and int(ray.num_cpus) < 1:
         err(f"launch.ray.num_cpus={ray.num_cpus}: must be positive (or null: all of this machine's CPUs)")
     return errors
+
+
+def cluster_errors(cfg: DictConfig, nodes: int) -> List[str]:
+    """Rules of a trial on ``nodes`` nodes: the collectives' interface, and where it checkpoints."""
+    errors = []
+    ifname = cfg.comm.get("socket_ifname")
+    if ifname is not None and not re.fullmatch(r"[\w.:-]+(,[\w.:-]+)*", str(ifname)):
+        errors.append(
+            f"comm.socket_ifname={ifname}: must be an interface name, or several joined by commas (eth0,eth1)"
+        )
+    return errors + _storage_errors(cfg, nodes)
+
+
+def _storage_errors(cfg: DictConfig, nodes: int) -> List[str]:
+    """Where a trial of ``nodes`` nodes may checkpoint: storage every node reaches. A node-local
+    folder (the default ``./checkpoints``, or a path not declared shared) would leave each node
+    its own partial checkpoints, and a worker group restarted on other nodes would start over.
+    The same holds for a one-node trial that may restart elsewhere on a cluster
+    (``launch.max_failures`` with a cluster address)."""
+    t = cfg.trainer
+    if int(t.checkpoint_every) <= 0:
+        return []
+    address = cfg.launch.ray.get("address") or os.environ.get("RAY_ADDRESS")
+    restarts_elsewhere = bool(address) and int(cfg.launch.max_failures) > 0
+    if nodes <= 1 and not restarts_elsewhere:
+        return []
+    where = f"a trial on {nodes} nodes" if nodes > 1 else "a trial restarted on any node of the cluster"
+    fix = "set it to a path every node mounts with trainer.checkpoint_shared=true, or to a URI such as s3://bucket/path"
+    directory = t.checkpoint_dir
+    if not directory:
+        return [f"trainer.checkpoint_dir: unset, {where} would checkpoint into ./checkpoints on each node; {fix}"]
+    scheme = str(directory).split("://", 1)[0].lower() if "://" in str(directory) else ""
+    if scheme in ("", "file", "local") and not t.checkpoint_shared:
+        return [f"trainer.checkpoint_dir={directory}: node-local unless declared shared, for {where}; {fix}"]
+    return []

@@ -551,6 +551,9 @@ def run_study(sweeper: Any, arguments: List[str]) -> List[Any]:
                 "enable tracking (tracking.uri may point at any store)"
             ]
         )
+    # the study reuses finished runs by config hash itself and launches repeats of one config on
+    # purpose: its jobs must not skip a hash that already finished (tracking.skip_finished)
+    sweep.sweeper_resumes(info)
     runner = Runner(sweeper, study, info)
     _check_composes(study, runner)
     sweep_dir = Path(str(config.hydra.sweep.dir))

@@ -30,6 +30,8 @@ READ_BY_CONTROL_PLANE = {
     "comm.buffsize_mb",
     "comm.nccl_buffsize_mb",
     "comm.env",
+    "comm.socket_ifname",
+    "trainer.checkpoint_shared",
     "comm.timeout_s",
     "model.name",
     "precision.name",

@@ -96,6 +96,9 @@ class CommConfig:
     powersgd_rank: int = 4
     overlap: bool = True  # gradient reduction overlapped with the backward pass (DDP and FSDP)
     env: Dict[str, str] = field(default_factory=dict)  # extra backend variables, over the chip's
+    # the network interface(s) the collectives' sockets use on every node ("eth0", or "eth0,eth1"):
+    # GLOO_SOCKET_IFNAME, and NCCL_SOCKET_IFNAME / HCCL_SOCKET_IFNAME as exact names; None: auto
+    socket_ifname: Optional[str] = None
 
 
 @dataclass
@@ -113,13 +116,17 @@ class DataConfig:
 
 @dataclass
 class FaultConfig:
-    """Chaos drills (``trainers/faults.py``)."""
+    """Chaos drills (``trainers/faults.py``). The rank drill (kill_rank, at_step) kills a rank, or
+    with ``inject=hang`` hangs it: alive, in no further collective, so a peer's collective times
+    out after ``comm.timeout_s`` and the trial ends ``timeout``. The NaN drill (nan_layer,
+    nan_at_step) takes inject=nan or overflow; inject=hang is the rank drill's and needs
+    kill_rank and at_step set, nan_at_step not (``orchestrator/validate.py``)."""
 
-    kill_rank: int = -1  # this rank dies ...
+    kill_rank: int = -1  # this rank dies (inject=hang: hangs) ...
     at_step: int = -1  # ... at this step (once per trial); -1 = off
     nan_layer: int = -1  # this block's output gets a NaN (inject=nan), or x1e5 through fp16 (overflow)
     nan_at_step: int = -1  # ... at this step
-    inject: str = "nan"  # nan | overflow
+    inject: str = "nan"  # nan | overflow (the NaN drill's kind) | hang (the rank drill hangs instead of dying)
 
 
 @dataclass
@@ -142,7 +149,10 @@ class TrainerConfig:
     warmup_steps: int = 3  # first steps excluded from step-time summaries
     log_every: int = 10  # rank 0 sends per-step metrics in batches of this many steps
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
-    checkpoint_dir: Optional[str] = None  # default: ./checkpoints/<MLflow run id>; shared by all ranks
+    # a path or a URI DCP's fsspec writer understands (file://, s3://, ...), read and written by every
+    # rank; default ./checkpoints/<MLflow run id> on the launching node, for one-node trials only
+    checkpoint_dir: Optional[str] = None
+    checkpoint_shared: bool = False  # checkpoint_dir is a path every node mounts (multi-node trials)
     eval_every: int = 0  # steps between held-out evaluations (val_loss); 0: none
     eval_batches: int = 2  # global batches of the held-out split per evaluation
     profile: bool = False  # torch.profiler over a window of steps

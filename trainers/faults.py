@@ -1,10 +1,12 @@
-"""Chaos drills (``trainer.fault.*``): a rank killed at a step, a NaN or an fp16 overflow
-injected into one block's output at a step."""
+"""Chaos drills (``trainer.fault.*``): a rank killed at a step, or hung there (it stays alive
+but takes part in no further collective, so its peers' collectives time out), a NaN or an fp16
+overflow injected into one block's output at a step."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from typing import List, Optional
 
 import torch
@@ -12,8 +14,10 @@ import torch
 from trainers.config import FaultConfig
 
 
-def maybe_kill(step: int, rank: int, fault: FaultConfig, marker_dir: Optional[str]) -> None:
-    """The chosen rank dies hard at the chosen step, once per trial (a marker in the checkpoint
+def rank_drill(step: int, rank: int, fault: FaultConfig, marker_dir: Optional[str]) -> None:
+    """The chosen rank dies hard at the chosen step, or (``inject=hang``) stops there for good:
+    alive, its sockets open, in no further collective, until the launcher ends it after a peer's
+    collective has timed out (``comm.timeout_s``). Once per trial (a marker in the checkpoint
     folder, or the elastic restart count, tells a restarted group it already fired)."""
     if fault.at_step != step or fault.kill_rank != rank:
         return
@@ -25,6 +29,9 @@ def maybe_kill(step: int, rank: int, fault: FaultConfig, marker_dir: Optional[st
             return
         os.makedirs(marker_dir, exist_ok=True)
         open(marker, "w").close()
+    if fault.inject == "hang":
+        while True:  # a SIGTERM or SIGKILL from the launcher ends it
+            time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

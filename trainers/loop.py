@@ -79,6 +79,8 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     if dist.is_initialized():
         dist.barrier()
     start_step = 0
+    if targs.checkpoint_dir:
+        ckpt.check_shared(targs.checkpoint_dir)
     found = ckpt.latest(targs.checkpoint_dir)
     if found is not None:
         start_step, path = found
@@ -146,10 +148,14 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     state_bytes: Optional[Dict[str, int]] = None
     model.train()
     it = iter(loader)
+    profile_logged = False
     for step in range(start_step, targs.steps):
         step_ref[0] = step
-        faults.maybe_kill(step, rank, targs.fault, targs.checkpoint_dir)
+        faults.rank_drill(step, rank, targs.fault, targs.checkpoint_dir)
         profiler.step(step)
+        if profiler.result is not None and not profile_logged:
+            # as soon as the window closes: a trial that dies later (a lost node) keeps its traces
+            profile_logged = _log_profile(profiler, reporter)
         monitor.begin(step)
         tracker.reset()
         t0 = time.perf_counter()
@@ -263,16 +269,24 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     if profiler.result is not None:
         summary.update(profiler.result.metrics())
         summary["comm_share"] = max(comm_shares)  # the rank that waits on communication most
-        table = os.path.join(profiler.out_dir, "top_ops.txt")
-        with open(table, "w") as f:
-            f.write(profiler.result.table)
-        for path in (profiler.result.trace_path, table):
-            if path:
-                reporter.log_artifact(path, "profile")
+        if not profile_logged:  # the window ran to the last step
+            _log_profile(profiler, reporter)
     reporter.finish(summary)
     summary["losses"] = [r["loss"] for r in history]
     summary["grad_norms"] = [r["grad_norm"] for r in history]
     return summary
+
+
+def _log_profile(profiler: Profiler, reporter: Reporter) -> bool:
+    """This rank's trace and op table as the run's ``profile/`` artifacts (rank 0's reporter;
+    other ranks hold a null one)."""
+    table = os.path.join(profiler.out_dir, "top_ops.txt")
+    with open(table, "w") as f:
+        f.write(profiler.result.table)
+    for path in (profiler.result.trace_path, table):
+        if path:
+            reporter.log_artifact(path, "profile")
+    return True
 
 
 def count_params_global(margs) -> int:

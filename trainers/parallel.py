@@ -9,6 +9,7 @@ per-layer all-reduces; PP crosses nodes next, DP outermost.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -39,15 +40,37 @@ class Mesh:
         return self.device_mesh[dim]
 
 
-def build_mesh(device_type: str, p: ParallelConfig) -> Mesh:
-    from torch.distributed.device_mesh import init_device_mesh
+def build_mesh(device_type: str, p: ParallelConfig, timeout: Optional[timedelta] = None) -> Mesh:
+    """The (dp, pp, tp) mesh over the world. Each dimension's groups are made here with
+    ``timeout`` (default: the world group's, which the launcher set from ``comm.timeout_s``):
+    ``init_device_mesh`` makes them with ``new_group``'s default instead (30 min on gloo,
+    10 on nccl), so a rank hung in a tp or pp collective would hold its peers that long. A
+    dimension spanning the whole world uses the world group itself, as ``init_device_mesh`` does."""
+    from torch.distributed.device_mesh import DeviceMesh
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if p.dp * p.pp * p.tp != world:
         raise ValueError(f"dp*pp*tp={p.dp}*{p.pp}*{p.tp} does not equal the world size {world}")
-    mesh = init_device_mesh(device_type, (p.dp, p.pp, p.tp), mesh_dim_names=("dp", "pp", "tp"))
+    timeout = timeout or group_timeout(dist.group.WORLD, device_type)
+    ranks = torch.arange(world, dtype=torch.int).reshape(p.dp, p.pp, p.tp)
+    groups = []
+    for dim in range(ranks.ndim):
+        # every group along `dim`, in the same order on every rank (new_group is collective)
+        rows = ranks.movedim(dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+        if len(rows) == 1:
+            groups.append(dist.group.WORLD)
+        else:
+            groups.append(dist.new_subgroups_by_enumeration(rows, timeout=timeout)[0])
+    mesh = DeviceMesh.from_group(groups, device_type, mesh=ranks, mesh_dim_names=("dp", "pp", "tp"))
     coord = mesh.get_coordinate()
     return Mesh(mesh, p.dp, p.pp, p.tp, coord[0], coord[1], coord[2])
+
+
+def group_timeout(group: Any, device_type: str) -> Optional[timedelta]:
+    """The collective timeout of ``group``'s backend for ``device_type`` (None where the backend
+    does not expose its options)."""
+    backend = group._get_backend(torch.device(device_type))
+    return getattr(getattr(backend, "options", None), "_timeout", None)
 
 
 def make_stage(args: ModelConfig, stage: int, n_stages: int) -> GPT:

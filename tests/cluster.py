@@ -1,0 +1,108 @@
+"""A real multi-node Ray cluster on one machine, for the cluster tests: a head node and worker
+nodes, each its own raylet started by ``ray start --block`` in its own process group, so a test
+can kill one node (raylet and all its workers) as a dead machine would go.
+
+A worker node may be started in its own mount namespace with a tmpfs over given folders (the
+driver's working directory): whatever it writes there is invisible to the driver, as on a
+cluster whose nodes share no working directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from orchestrator.launch import free_port
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def node_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """The nodes' environment: no PYTHONPATH (the code travels to them as the job's working dir),
+    this environment's executables first."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    env.pop("RAY_ADDRESS", None)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
+    # `ray start --head` turns token authentication on; nodes and drivers use ~/.ray/auth_token
+    env["RAY_AUTH_MODE"] = "token"
+    env.update(extra or {})
+    return env
+
+
+class Cluster:
+    """``ray start`` processes on 127.0.0.1: :meth:`head`, then :meth:`add` worker nodes."""
+
+    def __init__(self, logs: Path):
+        self.logs = logs
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.nodes: Dict[str, subprocess.Popen] = {}
+
+    def _start(self, name: str, args: List[str], hide: Sequence[Path] = ()) -> None:
+        cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args]
+        if hide:  # a node of its own: a tmpfs over each hidden folder, seen by this node only
+            mounts = " && ".join(f"mount -t tmpfs tmpfs {shlex.quote(str(p))}" for p in hide)
+            cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", f"{mounts} && exec {shlex.join(cmd)}"]
+        log = self.logs / f"{name}.log"
+        with open(log, "w") as out:
+            self.nodes[name] = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=node_env(), start_new_session=True
+            )
+        deadline = time.time() + 180
+        while "Ray runtime started" not in log.read_text():
+            if self.nodes[name].poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"node {name} did not start:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def head(self, num_cpus: int = 0, resources: Optional[Dict[str, float]] = None) -> "Cluster":
+        self._start(
+            "head",
+            [
+                "--head",
+                f"--port={self.port}",
+                f"--num-cpus={num_cpus}",
+                f"--resources={json.dumps(resources or {})}",
+                "--include-dashboard=false",
+                f"--ray-client-server-port={free_port()}",
+            ],
+        )
+        return self
+
+    def add(self, name: str, num_cpus: int, resources: Optional[Dict[str, float]] = None, hide=()) -> None:
+        self._start(
+            name,
+            [f"--address={self.address}", f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources or {})}"],
+            hide,
+        )
+
+    def kill(self, name: str) -> None:
+        """The node dies: its raylet and every process on it, at once. Ray puts each worker in
+        a process group of its own, but all of a node's processes stay in the session that
+        ``ray start`` opened: kill that session."""
+        proc = self.nodes.pop(name)
+        subprocess.run(["pkill", "-KILL", "-s", str(proc.pid)], check=False)
+        proc.wait()
+
+    def stop(self) -> None:
+        for name in [n for n in self.nodes if n != "head"] + ["head"]:
+            proc = self.nodes.pop(name, None)
+            if proc is None:
+                continue
+            proc.terminate()  # `ray start --block` stops its node's processes on SIGTERM
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        note = Path("/tmp/ray/ray_current_cluster")
+        if note.is_file() and note.read_text().strip().endswith(f":{self.port}"):
+            note.unlink()
