@@ -74,7 +74,7 @@ class LaunchConfig:
     max_failures: int = 0  # worker-group restarts before the trial is failed
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: pick a free port
-    start_method: str = "spawn"
+    start_method: str = "forkserver"  # forkserver (workers fork from a server that imported torch) | spawn | fork
     # variables exported on the driver that reach a trial's workers on every node (a Ray worker
     # inherits its raylet's environment, not the driver's); names ending _VISIBLE_DEVICES never
     env_prefixes: List[str] = field(

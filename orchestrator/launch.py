@@ -6,10 +6,15 @@ every worker, watches them, and restarts the whole worker group up to ``max_fail
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import uuid
 from typing import Any, Dict, Optional
+
+# what a forkserver imports before it forks workers (torch_npu is not among them: its import
+# initialises the NPU runtime, which must happen in the worker)
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "trainers.loop")
 
 
 class TrialFailed(RuntimeError):
@@ -77,6 +82,14 @@ def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
 
     from trainers.loop import worker_entry
 
+    method = launch.get("start_method", "forkserver")
+    if method == "forkserver":
+        # the server imports torch and the trainer once per driver process; every worker of every
+        # later trial forks from it instead of importing them again (seconds per trial). It never
+        # touches a device, so a forked worker initialises CUDA or the NPU runtime as a fresh one
+        import multiprocessing
+
+        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
     host = launch.get("master_addr", "127.0.0.1")
     port = int(launch.get("master_port") or 0) or free_port(host)
     config = LaunchConfig(
@@ -90,10 +103,12 @@ def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
         rdzv_configs={"timeout": 120},
         max_restarts=int(launch.get("max_failures", 0)),
         monitor_interval=0.2,
-        start_method=launch.get("start_method", "spawn"),
+        start_method=method,
     )
     try:
-        results: Optional[Dict[int, Any]] = elastic_launch(config, worker_entry)(spec, reporter)
+        # the driver's environment now: a forkserver's workers would otherwise see the server's,
+        # as it was when the driver's first trial started it
+        results: Optional[Dict[int, Any]] = elastic_launch(config, worker_entry)(spec, reporter, dict(os.environ))
     except ChildFailedError as err:
         reason = _failure_reason(err)
         raise TrialFailed(classify(reason), reason) from None

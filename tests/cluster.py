@@ -30,6 +30,7 @@ def node_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
     env.pop("RAY_ADDRESS", None)
+    env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri() in this process exports it
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
     # `ray start --head` turns token authentication on; nodes and drivers use ~/.ray/auth_token

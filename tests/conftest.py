@@ -57,6 +57,34 @@ def run_cli(args, cwd, timeout=300, **env) -> subprocess.CompletedProcess:
     )
 
 
+def cli_in_process(args, cwd, monkeypatch, capfd, **env):
+    """`python -m orchestrator ARGS` in this process (Hydra's own entry point, exit code and
+    output as the real command gives them), for the many cases where starting an interpreter
+    would cost more than the check: returns (exit code, stdout, stderr)."""
+    import sys
+
+    from hydra.core.global_hydra import GlobalHydra
+
+    from orchestrator.app import cli
+
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(sys, "argv", ["orchestrator", *args])
+    GlobalHydra.instance().clear()
+    capfd.readouterr()
+    code = 0
+    try:
+        cli()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        GlobalHydra.instance().clear()
+    out, err = capfd.readouterr()
+    return code, out, err
+
+
 def search_runs(uri: str, experiment: str = "default"):
     import mlflow
 

@@ -22,7 +22,7 @@ from tests.conftest import metric_history, run_cli, search_runs
 
 pytestmark = pytest.mark.ray
 
-STEPS = 100
+STEPS = 40
 TRIAL = [
     "+chip=cpu",
     "chip.devices_per_node=2",  # 4 ranks: two nodes
@@ -73,16 +73,30 @@ def _wait_for(predicate, proc, timeout=300):
         time.sleep(0.5)
 
 
-def _start(args, cwd, address):
-    env = node_env({"RAY_ADDRESS": address, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    return subprocess.Popen(
-        [sys.executable, "-m", "orchestrator", *args],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+@pytest.fixture
+def start():
+    """start(args, cwd, address): the CLI against the cluster; a command a failed test leaves
+    running is killed with it, so the next test finds the cluster idle."""
+    procs = []
+
+    def _start(args, cwd, address):
+        env = node_env({"RAY_ADDRESS": address, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        procs.append(proc)
+        return proc
+
+    yield _start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def _run(uri):
@@ -90,7 +104,7 @@ def _run(uri):
     return runs[-1] if runs else None
 
 
-def test_rank0_on_a_node_without_the_store_and_a_lost_node_resumes(cluster, tmp_path):
+def test_rank0_on_a_node_without_the_store_and_a_lost_node_resumes(cluster, start, tmp_path):
     """Rank 0 runs on a worker node that cannot see the driver's sqlite store: every step's loss
     still lands in it exactly once, with the monitor and profiler artifacts. The node holding
     rank 0 is killed mid-trial; with a spare node and launch.max_failures=1 the worker group
@@ -98,7 +112,7 @@ def test_rank0_on_a_node_without_the_store_and_a_lost_node_resumes(cluster, tmp_
     c, driver, shared = cluster["cluster"], cluster["driver"], cluster["shared"]
     uri = "sqlite:///" + str(driver / "mlruns.db")
     ckpt = shared / "ck"
-    proc = _start(
+    proc = start(
         [
             *TRIAL,
             "precision.monitor=10",
@@ -144,12 +158,12 @@ def test_rank0_on_a_node_without_the_store_and_a_lost_node_resumes(cluster, tmp_
     assert [m.value for m in losses] == pytest.approx(expected, rel=1e-6, abs=0)
 
 
-def test_a_checkpoint_dir_declared_shared_that_is_not_ends_the_trial_before_any_step(cluster):
+def test_a_checkpoint_dir_declared_shared_that_is_not_ends_the_trial_before_any_step(cluster, start):
     """The driver's working directory is hidden from every node: declared shared, the ranks on the
     other node cannot see what rank 0 wrote there, and every rank says so before reading it."""
     c, driver = cluster["cluster"], cluster["driver"]
     uri = "sqlite:///" + str(driver / "lie.db")
-    proc = _start(
+    proc = start(
         [
             *TRIAL,
             "trainer.checkpoint_every=5",
@@ -169,7 +183,7 @@ def test_a_checkpoint_dir_declared_shared_that_is_not_ends_the_trial_before_any_
     assert not metric_history(uri, run.info.run_id, "loss")
 
 
-def test_without_spare_capacity_a_lost_node_ends_the_trial_and_the_sweep_goes_on(cluster):
+def test_without_spare_capacity_a_lost_node_ends_the_trial_and_the_sweep_goes_on(cluster, start):
     """Two worker nodes left after one is killed: no room for a restart of the 4-rank trial, which
     ends node_lost naming the node; the sweep's other trial runs on what is left."""
     c, driver, shared = cluster["cluster"], cluster["driver"], cluster["shared"]
@@ -179,7 +193,7 @@ def test_without_spare_capacity_a_lost_node_ends_the_trial_and_the_sweep_goes_on
         alive = alive[1:]
     uri = "sqlite:///" + str(driver / "sweep.db")
     ckpt = shared / "sweep"
-    proc = _start(
+    proc = start(
         [
             "-m",
             "hydra/launcher=ray",

@@ -1,7 +1,9 @@
 """Broken configs: each gets exit code 2, one line naming its key, no traceback, no MLflow run.
 
-The CLI cases run the real `python -m orchestrator` in a subprocess; the in-process cases check
-that every broken rule of one config is reported at once.
+The CLI cases run the real entry point (`orchestrator.app.cli`, what `python -m orchestrator`
+calls) in this process, one case after another, with its exit code and output; one case runs the
+real command in a subprocess. The in-process config cases check that every broken rule of one
+config is reported at once.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.trial import ConfigError, prepare
-from tests.conftest import run_cli
+from tests.conftest import cli_in_process, run_cli
 
 # (overrides, a key the error must name)
 BROKEN = [
@@ -55,12 +57,14 @@ BROKEN = [
 
 
 @pytest.mark.parametrize("overrides,key", BROKEN, ids=[" ".join(o) for o, _ in BROKEN])
-def test_broken_config_exits_2_naming_the_key(tmp_path, overrides, key):
+def test_broken_config_exits_2_naming_the_key(tmp_path, monkeypatch, capfd, overrides, key):
     db = tmp_path / "mlruns.db"
-    proc = run_cli(["trainer=smoke", *overrides], cwd=tmp_path, MLFLOW_TRACKING_URI=f"sqlite:///{db}")
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert key in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr + proc.stdout
+    code, out, err = cli_in_process(
+        ["trainer=smoke", *overrides], tmp_path, monkeypatch, capfd, MLFLOW_TRACKING_URI=f"sqlite:///{db}"
+    )
+    assert code == 2, out + err
+    assert key in err, err
+    assert "Traceback" not in err + out
     # nothing launched, nothing recorded: the store was never even opened
     assert not db.exists()
     assert not (tmp_path / "mlruns.db").exists() and not (tmp_path / "mlartifacts").exists()

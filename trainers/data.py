@@ -177,6 +177,9 @@ def build_loader(
         prefetch_factor=args.prefetch_factor if workers else None,
         pin_memory=pin_memory,
         persistent_workers=False,
+        # the rank's own children, forked from it: a rank started by a forkserver would otherwise
+        # have the server start its loader workers, which then outlive the rank if it dies
+        multiprocessing_context="fork" if workers else None,
     )
 
 

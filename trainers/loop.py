@@ -33,7 +33,7 @@ from trainers.parallel import acc_dtype, global_grad_norm, param_checksum
 from trainers.precision import LossScaler, grad_multiplier
 from trainers.profiling import Profiler
 from trainers.report import NullReporter, Reporter
-from trainers.runtime import apply_env, init_process_group, peak_memory_gb, select_device, synchronize
+from trainers.runtime import adopt_env, apply_env, init_process_group, peak_memory_gb, select_device, synchronize
 
 
 class NonFiniteError(RuntimeError):
@@ -314,8 +314,13 @@ def _gather(value: float, device: torch.device, world: int) -> List[float]:
 
 
 @record  # writes the exception to the elastic error file, so the launcher can report why
-def worker_entry(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict[str, Any]]:
-    """Entry point of one worker process: env, process group, train, tear down."""
+def worker_entry(
+    spec: TrialSpec, reporter: Optional[Reporter] = None, env: Optional[Dict[str, str]] = None
+) -> Optional[Dict[str, Any]]:
+    """Entry point of one worker process: env, process group, train, tear down. ``env``: the
+    launching process's environment, which a forked worker takes over (see :func:`adopt_env`)."""
+    if env is not None:
+        adopt_env(env)
     rt = spec.runtime
     apply_env(rt.env)
     init_process_group(rt)

@@ -19,6 +19,32 @@ import torch.distributed as dist
 
 from trainers.config import RuntimeConfig
 
+# what the elastic agent sets for each worker (its rank, the rendezvous, the restart count)
+_LAUNCHER_KEYS = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
+def adopt_env(env: Dict[str, str]) -> None:
+    """Take over the launching process's environment ``env``, keeping what the launcher set for
+    this worker. A worker forked from a forkserver starts with the server's environment, a copy
+    of the driver's from when the server started; a variable the driver set or changed since
+    (a sweep's job, a user's export in a notebook) would be missing."""
+    mine = {k: v for k, v in os.environ.items() if k in _LAUNCHER_KEYS or k.startswith("TORCHELASTIC_")}
+    os.environ.clear()
+    os.environ.update(env)
+    os.environ.update(mine)
+
 
 def apply_env(env: Dict[str, str]) -> None:
     """Set backend variables (HCCL_BUFFSIZE, NCCL_BUFFSIZE, ...) unless the user already has."""
