@@ -22,7 +22,7 @@ from tests.conftest import metric_history, run_cli, search_runs
 
 pytestmark = pytest.mark.ray
 
-STEPS = 40
+STEPS = 100
 TRIAL = [
     "+chip=cpu",
     "chip.devices_per_node=2",  # 4 ranks: two nodes
