@@ -117,6 +117,10 @@ def test_rank0_on_a_node_without_the_store_and_a_lost_node_resumes(cluster, star
             *TRIAL,
             "precision.monitor=10",
             "trainer.profile=true",
+            # the profiler's window (steps 1-2) closes before the step-5 checkpoint that triggers
+            # the kill, so its artifacts are logged by the first attempt whatever the kill's timing
+            "trainer.profile_start=1",
+            "trainer.profile_steps=2",
             "trainer.checkpoint_every=5",
             f"trainer.checkpoint_dir={ckpt}",
             "trainer.checkpoint_shared=true",
