@@ -54,6 +54,11 @@ def error_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
+def error_summary(err: BaseException) -> str:
+    """An exception in one line: its type and its own message's last line (:func:`error_line`)."""
+    return f"{type(err).__name__}: {error_line(str(err))}"
+
+
 def _rank_line(failure: Any) -> str:
     message = failure.message
     if isinstance(message, dict):  # the elastic error file: {"message": ..., "extraInfo": ...}

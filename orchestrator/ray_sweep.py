@@ -23,7 +23,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.ray_trial import BoardSlot, cluster, cluster_address, last_line, worker_env
+from orchestrator.launch import error_summary
+from orchestrator.ray_trial import BoardSlot, cluster, cluster_address, worker_env
 from orchestrator.relay import on_this_node
 
 log = logging.getLogger("orchestrator")
@@ -73,7 +74,7 @@ def _outcome(ret: Any) -> Tuple[str, str]:
 
     if ret.status == JobStatus.FAILED:
         err = ret._return_value
-        return "crash", f"{type(err).__name__}: {last_line(str(err))}"
+        return "crash", error_summary(err)
     value = ret.return_value if isinstance(ret.return_value, dict) else {}
     return str(value.get("status", "finished")), str(value.get("reason") or value.get("run_id") or "")
 

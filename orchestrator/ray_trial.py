@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from orchestrator import relay
-from orchestrator.launch import TrialFailed, classify, error_line
+from orchestrator.launch import TrialFailed, classify, error_summary
 
 log = logging.getLogger("orchestrator")
 
@@ -211,11 +211,6 @@ def _train_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
 _COLLATERAL = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
 
 
-def last_line(text: str) -> str:
-    """The last non-blank line of ``text`` (an error's own message, under its traceback)."""
-    return error_line(text)
-
-
 def _death(failure: Exception) -> str:
     """Why a worker process vanished, in one line that classify() reads right."""
     if type(failure).__name__ == "OutOfMemoryError":  # ray.exceptions: Ray's memory monitor killed it
@@ -232,13 +227,13 @@ def failure_reason(err: Exception) -> str:
     failures: Dict[int, Exception] = getattr(err, "worker_failures", None) or {}
     if not failures:
         inner = getattr(err, "controller_failure", None) or err
-        return f"{type(inner).__name__}: {last_line(str(inner))}"
+        return error_summary(inner)
     for rank, failure in sorted(failures.items()):
         if hasattr(failure, "health_check_failure"):
             return f"rank {rank}: {_death(failure.health_check_failure)}"
     ranked = sorted(failures.items(), key=lambda kv: (any(c in str(kv[1]).lower() for c in _COLLATERAL), kv[0]))
     rank, failure = ranked[0]
-    return f"rank {rank}: {type(failure).__name__}: {last_line(str(failure))}"
+    return f"rank {rank}: {error_summary(failure)}"
 
 
 # variables whose value belongs to one host (HCCL_IF_IP: that host's own address) or to one
@@ -255,6 +250,13 @@ def worker_env(runtime_env: Dict[str, Any], prefixes: Sequence[str]) -> Dict[str
     env = {k: os.environ.get(k, str(v)) for k, v in runtime_env.items()}
     env.update({k: v for k, v in os.environ.items() if k.startswith(tuple(prefixes))})
     return {k: v for k, v in env.items() if not k.endswith("_VISIBLE_DEVICES") and k not in NODE_OWN}
+
+
+def _live_totals(resource: str) -> List[float]:
+    """Each live node's total of ``resource``, as :meth:`Placement.units` takes them."""
+    import ray
+
+    return [float(n["Resources"].get(resource, 0.0)) for n in ray.nodes() if n.get("Alive")]
 
 
 def _tag_nodes(reporter: Any, placed: Dict[int, Tuple[str, str]]) -> None:
@@ -335,8 +337,7 @@ def launch_trial(
         workers_reporter = relay.for_workers(reporter)
         name = f"trial-{getattr(reporter, 'run_id', None) or uuid.uuid4().hex[:12]}"
         for attempt in range(max_failures + 1):
-            alive = [n for n in ray.nodes() if n.get("Alive")]
-            units = placement.units(world_size, [float(n["Resources"].get(placement.resource, 0.0)) for n in alive])
+            units = placement.units(world_size, _live_totals(placement.resource))
             trainer = _trainer_class()(
                 _train_worker,
                 train_loop_config={
@@ -387,10 +388,7 @@ def launch_trial(
             if attempt == max_failures:
                 raise TrialFailed(status, reason)
             try:
-                placement.units(
-                    world_size,
-                    [float(n["Resources"].get(placement.resource, 0.0)) for n in ray.nodes() if n.get("Alive")],
-                )
+                placement.units(world_size, _live_totals(placement.resource))
             except TrialFailed as no_room:
                 raise TrialFailed(status, f"{reason}; not restarted: {no_room.reason}") from None
             log.warning("trial attempt %d ended %s (%s): restarting", attempt, status, reason)

@@ -99,6 +99,17 @@ def start():
             proc.communicate()
 
 
+def _restartable(ckpt):
+    """Checkpoints on the shared folder ``ckpt`` and one restart: what a trial that loses a node
+    needs to resume elsewhere."""
+    return [
+        "trainer.checkpoint_every=5",
+        f"trainer.checkpoint_dir={ckpt}",
+        "trainer.checkpoint_shared=true",
+        "launch.max_failures=1",
+    ]
+
+
 def _run(uri):
     runs = [r for r in search_runs(uri) if "trial.status" in r.data.tags]
     return runs[-1] if runs else None
@@ -121,10 +132,7 @@ def test_rank0_on_a_node_without_the_store_and_a_lost_node_resumes(cluster, star
             # the kill, so its artifacts are logged by the first attempt whatever the kill's timing
             "trainer.profile_start=1",
             "trainer.profile_steps=2",
-            "trainer.checkpoint_every=5",
-            f"trainer.checkpoint_dir={ckpt}",
-            "trainer.checkpoint_shared=true",
-            "launch.max_failures=1",
+            *_restartable(ckpt),
         ],
         driver,
         c.address,
@@ -203,10 +211,7 @@ def test_without_spare_capacity_a_lost_node_ends_the_trial_and_the_sweep_goes_on
             "hydra/launcher=ray",
             *TRIAL,
             "parallel=tp2pp2,dp2",
-            "trainer.checkpoint_every=5",
-            f"trainer.checkpoint_dir={ckpt}",
-            "trainer.checkpoint_shared=true",
-            "launch.max_failures=1",
+            *_restartable(ckpt),
             f"tracking.uri={uri}",
         ],
         driver,

@@ -189,8 +189,9 @@ def load(path: str, parts: List[torch.nn.Module], optims: List[torch.optim.Optim
     rank = dist.get_rank() if dist.is_initialized() else 0
     fs, base = _fs(path)
     own = _join(base, f"extra_rank{rank}.pt")
-    with fs.open(own if fs.exists(own) else _join(base, "extra_rank0.pt"), "rb") as f:
+    has_own = fs.exists(own)
+    with fs.open(own if has_own else _join(base, "extra_rank0.pt"), "rb") as f:
         extra = torch.load(f, weights_only=False)
-    if fs.exists(own):
+    if has_own:
         torch.set_rng_state(extra["rng"])
     return extra

@@ -155,7 +155,8 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         profiler.step(step)
         if profiler.result is not None and not profile_logged:
             # as soon as the window closes: a trial that dies later (a lost node) keeps its traces
-            profile_logged = _log_profile(profiler, reporter)
+            _log_profile(profiler, reporter)
+            profile_logged = True
         monitor.begin(step)
         tracker.reset()
         t0 = time.perf_counter()
@@ -277,7 +278,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     return summary
 
 
-def _log_profile(profiler: Profiler, reporter: Reporter) -> bool:
+def _log_profile(profiler: Profiler, reporter: Reporter) -> None:
     """This rank's trace and op table as the run's ``profile/`` artifacts (rank 0's reporter;
     other ranks hold a null one)."""
     table = os.path.join(profiler.out_dir, "top_ops.txt")
@@ -286,7 +287,6 @@ def _log_profile(profiler: Profiler, reporter: Reporter) -> bool:
     for path in (profiler.result.trace_path, table):
         if path:
             reporter.log_artifact(path, "profile")
-    return True
 
 
 def count_params_global(margs) -> int:
