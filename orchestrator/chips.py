@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Dict, Optional
+import logging
+from typing import Dict, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import conf_dir
+from orchestrator import conf_dir, devices
 from orchestrator.config import ChipConfig
+from trainers import rules
 from trainers.config import RuntimeConfig
 
-# CUDA device names (torch.cuda.get_device_name) to presets; first match wins
-_CUDA_PRESETS = (("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+log = logging.getLogger("orchestrator")
 
 
 def preset_names() -> list[str]:
@@ -26,11 +27,24 @@ def preset_names() -> list[str]:
 
 
 def load_preset(name: str) -> DictConfig:
-    """A chip preset merged onto its schema, as ``+chip=NAME`` would compose it."""
+    """A chip preset merged onto its schema, as ``+chip=NAME`` would compose it: a preset that
+    names others in its ``defaults`` list (an SKU's variant, a name kept for one SKU) is merged
+    over them, in order, as Hydra does."""
+    return OmegaConf.merge(OmegaConf.structured(ChipConfig), _preset_body(name))
+
+
+def _preset_body(name: str) -> DictConfig:
     path = conf_dir() / "chip" / f"{name}.yaml"
     if not path.is_file():
         raise KeyError(f"no chip preset {name!r}; presets: {', '.join(preset_names())}")
-    return OmegaConf.merge(OmegaConf.structured(ChipConfig), OmegaConf.load(path))
+    own = OmegaConf.load(path)
+    order = [str(e) for e in (own.pop("defaults", None) or [])]
+    if "_self_" not in order:
+        order.append("_self_")
+    merged = OmegaConf.create({})
+    for entry in order:
+        merged = OmegaConf.merge(merged, own if entry == "_self_" else _preset_body(entry))
+    return merged
 
 
 def _npu_count() -> int:
@@ -45,23 +59,52 @@ def _npu_count() -> int:
         return 0
 
 
-def detect() -> DictConfig:
-    """The preset of the local accelerator, with ``devices_per_node`` set to what is visible."""
-    n_npu = _npu_count()
-    if n_npu:
-        chip, count = load_preset("ascend910b"), n_npu
-    else:
-        import torch
+def _device_facts(device_type: str) -> Tuple[str, float]:
+    """Device 0's full name and total memory (GiB), from its runtime: torch.cuda or torch_npu's
+    torch.npu, whose ``get_device_properties`` has ``name`` and ``total_memory`` as CUDA's does
+    (torch_npu ``csrc/npu/Module.cpp``)."""
+    import torch
 
-        if torch.cuda.is_available():
-            name = torch.cuda.get_device_name(0)
-            preset = next((p for key, p in _CUDA_PRESETS if key in name), "cuda")
-            chip, count = load_preset(preset), torch.cuda.device_count()
-        else:
-            chip, count = load_preset("cpu"), None
-    chip.source = "detected"
+    mod = torch.cuda if device_type == "cuda" else torch.npu  # type: ignore[attr-defined]
+    props = mod.get_device_properties(0)
+    return str(mod.get_device_name(0)), float(props.total_memory) / 2**30
+
+
+def from_device(device_type: str, name: str, memory_gib: Optional[float], count: Optional[int]) -> DictConfig:
+    """The preset of a device named ``name`` (:func:`orchestrator.devices.match`), with what the
+    device itself says applied: its memory and how many this node shows. A name no preset knows
+    gets the generic preset and a warning; its MFU is recorded as unknown."""
+    found = devices.match(device_type, name, memory_gib)
+    chip = load_preset(found.preset)
+    for key, value in found.overrides.items():
+        chip[key] = value
+    if memory_gib:
+        chip.memory_gb = round(memory_gib, 1)
     if count:
         chip.devices_per_node = count
+    if not found.known:
+        log.warning(
+            "device %r matches no chip preset: using the generic %r preset (MFU unknown, the planner's peak a "
+            "placeholder); name a preset with +chip=NAME or set chip.peak_tflops",
+            name,
+            found.preset,
+        )
+    chip.source = "detected"
+    return chip
+
+
+def detect() -> DictConfig:
+    """The preset of the local accelerator, by the device's full name, with its memory and
+    ``devices_per_node`` read from the device; the CPU when there is none."""
+    n_npu = _npu_count()
+    if n_npu:
+        return from_device("npu", *_device_facts("npu"), n_npu)
+    import torch
+
+    if torch.cuda.is_available():
+        return from_device("cuda", *_device_facts("cuda"), torch.cuda.device_count())
+    chip = load_preset("cpu")
+    chip.source = "detected"
     return chip
 
 
@@ -132,6 +175,32 @@ def socket_env(ifname: Optional[str], backend: str) -> Dict[str, str]:
     return env
 
 
+# HCCL_CONNECT_TIMEOUT's valid range, seconds (CANN environment variable reference,
+# HCCL_CONNECT_TIMEOUT: an integer in [120, 7200], default 120)
+HCCL_CONNECT_RANGE = (120, 7200)
+# HCCL_EXEC_TIMEOUT's range on the Atlas training series (910A): (0, 17340] in steps of 68 s;
+# Atlas A2/A3 take [0, 2147483647] in whole seconds, 0 meaning never (the same reference)
+HCCL_EXEC_MAX_STEPPED = 17340
+
+
+def hccl_timeouts(timeout_s: float, step_s: int = 0) -> Tuple[int, int, float]:
+    """``comm.timeout_s`` as HCCL's two variables and the process group's timeout:
+    ``HCCL_CONNECT_TIMEOUT`` (building the communicator) clamped to its valid range, and
+    ``HCCL_EXEC_TIMEOUT`` (one collective on the device) set below the process-group timeout by
+    ``trainers.rules.exec_margin_s``, so HCCL's own timeout fires first and its error names the cause
+    instead of torch's watchdog aborting the communicator with a bare timeout. Where the part's
+    step (68 s on the 910A) makes that impossible, the process-group timeout is raised to the
+    smallest that holds, never the other way round."""
+    lo, hi = HCCL_CONNECT_RANGE
+    connect = int(min(hi, max(lo, round(timeout_s))))
+    want = int(float(timeout_s) - rules.exec_margin_s(timeout_s))
+    if step_s:
+        execute = max(step_s, min(HCCL_EXEC_MAX_STEPPED, want) // step_s * step_s)
+    else:
+        execute = max(1, want)
+    return connect, execute, rules.collective_timeout_s(timeout_s, "hccl", execute)
+
+
 def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> RuntimeConfig:
     """What the workers need to know of the chip: device, backend, plugin and environment.
 
@@ -142,10 +211,14 @@ def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> RuntimeCo
     # are keys of their own and win over the preset's env), then comm.env, the user's explicit word
     env: Dict[str, str] = {k: str(v) for k, v in chip.env.items()}
     backend = "gloo" if chip.emulate else chip.dist_backend
+    timeout_s = float(comm.timeout_s)
     # communication-buffer size for the backend that will really run
     if chip.dist_backend == "hccl":
         env["HCCL_BUFFSIZE"] = str(comm.buffsize_mb)
-        env["HCCL_CONNECT_TIMEOUT"] = str(int(comm.timeout_s))
+        connect, execute, pg_timeout = hccl_timeouts(timeout_s, int(chip.get("exec_timeout_step_s", 0)))
+        env["HCCL_CONNECT_TIMEOUT"], env["HCCL_EXEC_TIMEOUT"] = str(connect), str(execute)
+        if not chip.emulate:
+            timeout_s = pg_timeout
     elif chip.dist_backend == "nccl":
         # NCCL allocates this per channel and per peer: MiB, not HCCL's per-communicator MB
         env["NCCL_BUFFSIZE"] = str(int(float(comm.nccl_buffsize_mb) * 1024 * 1024))
@@ -157,8 +230,9 @@ def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> RuntimeCo
         backend=backend,
         torch_plugin=None if chip.emulate else chip.torch_plugin,
         env=env,
-        timeout_s=float(comm.timeout_s),
+        timeout_s=timeout_s,
         emulated=bool(chip.emulate),
-        # MFU against the emulated chip's peak would be meaningless on a CPU: leave it unknown
-        peak_flops=0.0 if chip.emulate else peak * 1e12,
+        # MFU against the emulated chip's peak would be meaningless on a CPU: leave it unknown,
+        # and so would a generic preset's placeholder peak: unknown, not wrong
+        peak_flops=0.0 if chip.emulate or not chip.get("peak_known", True) else peak * 1e12,
     )

@@ -31,12 +31,18 @@ class ChipConfig:
     memory_gb: float = MISSING
     # dense peak per dtype, TFLOPS; keys fp32 | bf16 | fp16 (| tf32 | fp8)
     peak_tflops: Dict[str, float] = field(default_factory=dict)
+    # false for a generic preset (a device no preset names): MFU is recorded as unknown, and
+    # peak_tflops are placeholders for the planner's step time only
+    peak_known: bool = True
     intra_node_gbps: float = 0.0  # per device, GB/s, one direction
     inter_node_gbps: float = 0.0  # per device, GB/s, one direction
     dtypes: List[str] = field(default_factory=lambda: ["fp32"])
     unsupported_ops: List[str] = field(default_factory=list)
     decompositions: Dict[str, str] = field(default_factory=dict)
     env: Dict[str, str] = field(default_factory=dict)
+    # HCCL_EXEC_TIMEOUT's unit on this part: 0 any whole second (Atlas A2/A3), 68 on the
+    # Atlas training series (910A), which rounds the value down to a multiple of 68 s
+    exec_timeout_step_s: int = 0
     # rehearse this chip's plan on CPU processes with gloo; the trial is tagged emulated
     emulate: bool = False
     # how the chip got here: "preset" (+chip=NAME) or "detected"
@@ -110,6 +116,9 @@ class PlannerConfig:
     dp_overlap: float = 0.8  # fraction of DP gradient traffic hidden behind backward (comm.overlap)
     grad_accum_fp32: bool = False  # fp32 gradient buffers for 16-bit params (Megatron's main_grad)
     ddp_bucket_view: bool = False  # DDP gradient_as_bucket_view; False: buckets copy every gradient
+    # channels an NCCL communicator opens (NCCL picks 2-32 by topology; 16 is typical of NVLink
+    # nodes): its buffers scale with them. Measure with bench/comm_memory.py and override
+    nccl_channels: int = 16
 
 
 @dataclass

@@ -276,6 +276,7 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
     try:
         summary = launch(trial.spec, reporter, lay.world_size, trial.resolved.launch_section())
         result.update(status=tracking.STATUS_OK, summary=summary)
+        _log_memory_check(reporter, result)
     except TrialFailed as err:
         result.update(status=err.status, reason=err.reason)
     except BaseException as err:  # the control plane itself was interrupted: still close the run
@@ -295,6 +296,19 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
     if reporter is not None:
         tracking.end_run(reporter.uri, reporter.run_id, result["status"], result.get("reason", ""))
     return result
+
+
+def _log_memory_check(reporter: Optional[tracking.MlflowReporter], result: Dict[str, Any]) -> None:
+    """The planner's memory per rank against what the allocator really reserved on the fullest
+    rank (not the allocated figure, which leaves out the allocator's slack): ``mem_plan_ratio``
+    = planned / reserved, above 1 when the plan is conservative."""
+    planned = (result.get("preflight") or {}).get("planned_mem_gb")
+    reserved = (result.get("summary") or {}).get("peak_mem_reserved_gb")
+    if not planned or not reserved:
+        return
+    result["summary"]["mem_plan_ratio"] = planned / reserved
+    if reporter is not None:
+        tracking.log_metrics(reporter.uri, reporter.run_id, {"mem_plan_ratio": planned / reserved})
 
 
 def launch_path(resolved: ResolvedTrial, slot: Optional[BoardSlot] = None) -> LaunchFn:

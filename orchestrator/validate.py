@@ -32,7 +32,7 @@ CHOICES = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.mlp": ("gelu", "swiglu"),
     "model.pos_emb": ("learned", "rope"),
-    "model.attn_impl": ("fused", "decomposed"),
+    "model.attn_impl": ("fused", "decomposed", "npu_fused"),
     "data.name": ("stdlib", "memmap", "synthetic"),
     "trainer.optimizer": ("adamw",),
     "launch.start_method": ("spawn", "forkserver", "fork"),
@@ -126,9 +126,9 @@ def _knob_rules(cfg: DictConfig, err) -> None:
     unknown = [op for op in pr.fp32_ops if op not in FP32_OPS]
     if unknown:
         err(f"precision.fp32_ops: unknown {', '.join(map(str, unknown))} (known: {', '.join(FP32_OPS)})")
-    if m.attn_impl == "fused" and pr.compute_dtype in sixteen and "softmax" not in pr.fp32_ops:
+    if m.attn_impl in ("fused", "npu_fused") and pr.compute_dtype in sixteen and "softmax" not in pr.fp32_ops:
         err(
-            f"precision.fp32_ops={list(pr.fp32_ops)} leaves out softmax, but model.attn_impl=fused keeps its "
+            f"precision.fp32_ops={list(pr.fp32_ops)} leaves out softmax, but model.attn_impl={m.attn_impl} keeps its "
             f"softmax statistics in fp32 inside the kernel; list softmax or set model.attn_impl=decomposed"
         )
     if not c.overlap and c.compression != "none":
@@ -296,6 +296,13 @@ def validate(cfg: DictConfig) -> List[str]:
     for key in ("precision.param_dtype", "precision.compute_dtype"):
         if _get(cfg, key) in DTYPES and _get(cfg, key) not in chip.dtypes:
             err(f"{key}={_get(cfg, key)} is not supported by chip={chip.name} (supports {', '.join(chip.dtypes)})")
+    if m.attn_impl == "npu_fused" and chip.device_type != "npu":
+        err(
+            f"model.attn_impl=npu_fused is torch_npu's kernel for Ascend NPUs, and chip={chip.name} is a "
+            f"{chip.device_type} chip; use model.attn_impl=fused or decomposed"
+        )
+    if t.compile and t.compile_backend == "torchair" and chip.device_type != "npu":
+        err(f"trainer.compile_backend=torchair compiles for Ascend NPUs only, and chip={chip.name} is not one")
     why = chips.availability_error(chip)
     if why:
         err(why)

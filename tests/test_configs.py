@@ -65,13 +65,21 @@ def test_parallel_presets_are_named_after_their_layout(compose_cfg):
         assert all(int(p[k]) == int(sizes.get(k, 1)) for k in ("dp", "tp", "pp")), option
 
 
+FIGURES = ("memory_gb", "peak_tflops", "intra_node_gbps", "inter_node_gbps")
+
+
 def test_chip_presets_cite_their_figures():
+    """A preset that states a figure says where it comes from; one that only builds on another
+    (a kept name, a generic preset) says which SKU it stands for."""
     for path in (conf_dir() / "chip").glob("*.yaml"):
-        text = path.read_text()
-        if path.stem not in ("cpu", "cuda"):
+        text, own = path.read_text(), OmegaConf.load(path)
+        if path.stem not in ("cpu", "cuda") and any(k in own for k in FIGURES):
             assert re.search(r"Source|Sources", text), f"{path.name} cites no source"
+        if "defaults" in own and not any(k in own for k in FIGURES):
+            assert re.search(r"stands for|Any (CUDA GPU|Ascend NPU)", text), f"{path.name} says not what it is"
         cfg = chips.load_preset(path.stem)
         assert cfg.memory_gb > 0 and cfg.peak_tflops["fp32"] > 0 and cfg.devices_per_node >= 1
+        assert cfg.name == path.stem
 
 
 def test_default_config_is_valid_on_the_detected_chip(compose_cfg):

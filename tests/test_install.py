@@ -74,3 +74,35 @@ def test_wheel_install_runs_from_another_directory(tmp_path):
     )
     assert sweeper.returncode == 0 and "hydra_plugins.ovat_sweeper.ovat_sweeper.OvatSweeper" in sweeper.stdout
     assert "trainer.micro_batch" in sweeper.stdout
+
+
+# what the code imports, and the release that brought it (the floors' reasons in pyproject.toml)
+NEEDS = {
+    "torch": [
+        ("torch.distributed.fsdp", "fully_shard", "2.6"),
+        ("torch.distributed.pipelining", "ScheduleZBVZeroBubble", "2.6"),
+    ],
+    "ray": [("ray.train.v2._internal.execution.callback", "WorkerGroupCallback", "2.51")],
+}
+
+
+def _floor(requirement: str) -> str:
+    import re
+
+    return re.search(r">=\s*([0-9.]+)", requirement).group(1)
+
+
+@pytest.mark.parametrize("package", sorted(NEEDS))
+def test_version_floors_cover_what_the_code_uses(package):
+    """Each floor in pyproject.toml is no older than the release that brought an API the code
+    imports, and the installed release has that API."""
+    import importlib
+    import tomllib
+
+    from packaging.version import Version
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (req,) = [d for d in deps if d.split(">=")[0].split("[")[0].strip() == package]
+    for module, name, since in NEEDS[package]:
+        assert Version(_floor(req)) >= Version(since), f"{package} floor {req} predates {module}.{name} ({since})"
+        assert hasattr(importlib.import_module(module), name)

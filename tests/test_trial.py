@@ -144,7 +144,7 @@ def test_an_infeasible_trial_is_recorded_and_not_launched(tmp_path):
     assert run.data.tags["trial.status"] == "infeasible"
     assert "exceeds ascend910b's 64 GB" in run.data.tags["trial.reason"]
     assert "trial " not in proc.stdout  # the launch line never came: no worker was started
-    assert run.data.params["model.attn_impl"] == "decomposed"  # planned with the mapped attention
+    assert run.data.params["model.attn_impl"] == "npu_fused"  # planned with the mapped attention
 
 
 def test_a_chip_without_fused_attention_runs_the_decomposition(compose_cfg, mlflow_uri):

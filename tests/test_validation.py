@@ -48,6 +48,9 @@ BROKEN = [
     (["parallel=pp4", "parallel.schedule=zbv"], "model.n_layers=4"),
     (["model.norm=batchnorm"], "model.norm"),
     (["trainer.fault.kill_rank=3"], "trainer.fault.kill_rank"),
+    (["model.attn_impl=npu_fused"], "model.attn_impl=npu_fused"),  # torch_npu's kernel, on a CPU chip
+    (["trainer.compile=true", "trainer.compile_backend=torchair"], "trainer.compile_backend=torchair"),
+    (["+chip=ascend910a", "chip.emulate=true", "precision=bf16"], "precision.compute_dtype=bf16"),
     # rejected by Hydra against the schema while composing
     (["parallel.tpp=2"], "parallel.tpp"),
     (["trainer.steps=ten"], "trainer.steps"),

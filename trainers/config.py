@@ -35,7 +35,9 @@ class ModelConfig:
     mlp: str = "gelu"  # gelu | swiglu
     pos_emb: str = "learned"  # learned | rope
     tie_embeddings: bool = True
-    attn_impl: str = "fused"  # fused (scaled_dot_product_attention) | decomposed
+    # fused (scaled_dot_product_attention) | decomposed (matmul + softmax + matmul) | npu_fused
+    # (torch_npu.npu_fusion_attention, Ascend A2; what the planner maps fused attention to there)
+    attn_impl: str = "fused"
     activation_checkpointing: bool = False
     dropout: float = 0.0  # attention-probability and residual dropout while training
 
@@ -160,8 +162,12 @@ class TrainerConfig:
     profile_steps: int = 3
     profile_dir: Optional[str] = None  # default: ./profiles/<MLflow run id>
     compile: bool = False  # torch.compile each block (graph-level fusion)
-    compile_backend: str = "auto"  # auto: torchair's NPU backend on Ascend, inductor elsewhere
-    deterministic: bool = True
+    # auto: inductor, aot_eager on Ascend; torchair (Ascend's graph compiler, beta, inference-first)
+    # only when named; any other torch.compile backend name as it is
+    compile_backend: str = "auto"
+    # deterministic kernels and collectives (torch.use_deterministic_algorithms, cuBLAS's fixed
+    # workspace, HCCL_DETERMINISTIC): for bit-exact reruns; off by default, as it slows timing trials
+    deterministic: bool = False
     fault: FaultConfig = field(default_factory=FaultConfig)
 
 

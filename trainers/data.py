@@ -163,8 +163,12 @@ def build_loader(
     dp_size: int,
     steps: int,
     start_step: int = 0,
-    pin_memory: bool = False,
+    pin_device: str = "",
 ) -> DataLoader:
+    """The training batches of one data-parallel rank. ``pin_device`` (``cuda``, ``npu``): the
+    accelerator the batches go to, whose pinned host memory the loader fills so the copy is
+    asynchronous; "" on CPU. torch_npu documents ``DataLoader(pin_memory=True)`` on NPU and its
+    tests pass ``pin_memory_device="npu"`` (Ascend/pytorch ``test/test_dataloader.py``)."""
     ds = build_dataset(args, seq_len, vocab_size, seed)
     sampler = StepSampler(len(ds), global_batch, dp_rank, dp_size, seed, steps, start_step)
     workers = max(0, args.num_workers)
@@ -175,7 +179,8 @@ def build_loader(
         drop_last=False,
         num_workers=workers,
         prefetch_factor=args.prefetch_factor if workers else None,
-        pin_memory=pin_memory,
+        pin_memory=bool(pin_device),
+        pin_memory_device=pin_device,
         persistent_workers=False,
         # the rank's own children, forked from it: a rank started by a forkserver would otherwise
         # have the server start its loader workers, which then outlive the rank if it dies

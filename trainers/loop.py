@@ -33,7 +33,7 @@ from trainers.parallel import acc_dtype, global_grad_norm, param_checksum
 from trainers.precision import LossScaler, grad_multiplier
 from trainers.profiling import Profiler
 from trainers.report import NullReporter, Reporter
-from trainers.runtime import adopt_env, apply_env, init_process_group, peak_memory_gb, select_device, synchronize
+from trainers.runtime import adopt_env, memory_gb, peak_memory_gb, select_device, set_deterministic, setup, synchronize
 
 
 class NonFiniteError(RuntimeError):
@@ -47,9 +47,8 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     targs, dargs, pargs, rt = spec.trainer, spec.data, spec.precision, spec.runtime
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    set_deterministic(rt.device_type, targs.deterministic)
     device = select_device(rt, int(os.environ.get("LOCAL_RANK", "0")))
-    if targs.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
     torch.manual_seed(targs.seed)
 
     scaler = LossScaler(pargs, device)
@@ -101,7 +100,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         dp_size=p.dp,
         steps=targs.steps,
         start_step=start_step,
-        pin_memory=device.type == "cuda",
+        pin_device=device.type if device.type in ("cuda", "npu") else "",
     )
     val_loader = None
     if targs.eval_every > 0:
@@ -225,7 +224,10 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
 
     profiler.close()
     comm_shares = _gather(profiler.result.comm_share if profiler.result else 0.0, device, world)
-    peaks = _gather(peak_memory_gb(device), device, world)
+    mem = memory_gb(device)
+    peaks = _gather(mem["allocated"], device, world)
+    reserved = _gather(mem["reserved"], device, world)
+    device_used = _gather(mem["device_used"], device, world)
     skipped = _gather(float(scaler.skipped_steps), device, world)
     held = {k: _gather(float((state_bytes or {}).get(k, 0)), device, world) for k in ("params", "grads", "optimizer")}
     param_sum_final = param_checksum(model.params, mesh)
@@ -244,7 +246,9 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         "step_time_median_s": median,
         "tokens_per_s_median": tokens_per_step / median,
         "final_loss": history[-1]["loss"],
-        "peak_mem_gb": max(peaks),
+        "peak_mem_gb": max(peaks),  # allocated by tensors; reserved and device_used below
+        "peak_mem_reserved_gb": max(reserved),
+        "device_mem_used_gb": max(device_used),
         "n_params": n_params,
         "mfu": (flops_per_token * tokens_per_step / median) / peak_flops if peak_flops > 0 else None,
         "skipped_steps_total": scaler.skipped_steps,
@@ -321,9 +325,7 @@ def worker_entry(
     launching process's environment, which a forked worker takes over (see :func:`adopt_env`)."""
     if env is not None:
         adopt_env(env)
-    rt = spec.runtime
-    apply_env(rt.env)
-    init_process_group(rt)
+    setup(spec.runtime, int(os.environ.get("LOCAL_RANK", "0")), spec.trainer.deterministic)
     try:
         return train(spec, reporter)
     finally:

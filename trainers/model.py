@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from trainers.attention import npu_fused
 from trainers.config import ModelConfig
 
 
@@ -94,13 +95,16 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, t, -1, self.hd).transpose(1, 2)
         if self.rope and rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         # dropout draws from the default generator: every rank of a TP group has the same seed and
         # draws masks of the same local shapes in the same order, so the masks of replicated
         # activations (the residual branches) agree across the group
         p = self.dropout if self.training else 0.0
+        if self.impl == "npu_fused":  # Ascend's kernel takes grouped kv heads as they are
+            y = npu_fused(q, k, v, p)
+            return F.dropout(self.wo(y.transpose(1, 2).reshape(b, t, -1)), p)
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if self.impl == "fused":
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         else:

@@ -38,6 +38,9 @@ from trainers.model import GPT, count_params, cross_entropy
 
 FUSED_ATTENTION = "aten::_scaled_dot_product_flash_attention"
 FUSED_ATTENTION_BACKWARD = "aten::_scaled_dot_product_flash_attention_backward"
+# torch_npu's names for its fused attention kernel and its backward (model.attn_impl=npu_fused)
+NPU_FUSED_ATTENTION = "npu::npu_fusion_attention"
+NPU_FUSED_ATTENTION_BACKWARD = "npu::npu_fusion_attention_grad"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FALLBACK_WORDS = ("fall back", "fallback", "falls back")
 
@@ -90,30 +93,34 @@ class _OpaqueAttention(torch.autograd.Function):
     """Fused attention as one op in the capture: shapes flow, nothing inside is recorded."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rec):
-        ctx.rec, ctx.shapes = rec, (q, k, v)
-        rec.note(FUSED_ATTENTION, (q, k, v), {})
+    def forward(ctx, q, k, v, rec, names):
+        ctx.rec, ctx.shapes, ctx.names = rec, (q, k, v), names
+        rec.note(names[0], (q, k, v), {})
         with rec.pause():
             return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
     @staticmethod
     def backward(ctx, grad):
         q, k, v = ctx.shapes
-        ctx.rec.note(FUSED_ATTENTION_BACKWARD, (grad, q, k, v), {})
+        ctx.rec.note(ctx.names[1], (grad, q, k, v), {})
         with ctx.rec.pause():
-            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), None, None
 
 
 class _InterceptAttention(TorchFunctionMode):
-    def __init__(self, rec: _Recorder):
+    """Records fused attention as the kernel the model asks for: ATen's flash kernel, or
+    torch_npu's fused kernel under ``attn_impl=npu_fused`` (whose stand-in off the NPU is
+    scaled_dot_product_attention, so the call is caught the same way)."""
+
+    def __init__(self, rec: _Recorder, names: tuple = (FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD)):
         super().__init__()
-        self.rec = rec
+        self.rec, self.names = rec, names
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             q, k, v = args[:3]
-            return _OpaqueAttention.apply(q, k, v, self.rec)
+            return _OpaqueAttention.apply(q, k, v, self.rec, self.names)
         return func(*args, **kwargs)
 
 
@@ -146,7 +153,9 @@ def capture_ops(model: Dict[str, Any], seq_len: int = 16, batch: int = 1, comput
     cap = OpCapture(param_devices=sorted({p.device.type for p in net.parameters()}), n_params=count_params(net))
     tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
     rec = _Recorder(cap)
-    with _InterceptAttention(rec), rec:
+    npu = args.attn_impl == "npu_fused"
+    names = (NPU_FUSED_ATTENTION, NPU_FUSED_ATTENTION_BACKWARD) if npu else (FUSED_ATTENTION, FUSED_ATTENTION_BACKWARD)
+    with _InterceptAttention(rec, names), rec:
         loss = cross_entropy(net(tokens), tokens)
         loss.backward()
     return cap

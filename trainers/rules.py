@@ -102,3 +102,20 @@ def batch_split(global_batch: int, dp: int, pp: int, micro_batch: int, microbatc
         return BatchSplit(per_replica, max(1, per_replica // count), count)
     size = max(1, min(micro_batch, per_replica))
     return BatchSplit(per_replica, size, max(1, per_replica // size))
+
+
+def exec_margin_s(timeout_s: float) -> float:
+    """How much sooner than the process group's watchdog (``comm.timeout_s``) the backend's own
+    execution timeout (``HCCL_EXEC_TIMEOUT``) fires: time for HCCL to write its diagnosis (which
+    rank, which operator) before torch aborts the communicator. Used by the control plane that
+    sets the variable and by the worker that checks it."""
+    return max(5.0, 0.1 * float(timeout_s))
+
+
+def collective_timeout_s(timeout_s: float, backend: str, exec_timeout_s: float | None) -> float:
+    """The process group's timeout: ``timeout_s``, raised where the backend's own execution
+    timeout (an exported ``HCCL_EXEC_TIMEOUT``, say) would otherwise fire after it, so the
+    collective timeout is never shorter than the backend's. 0 means HCCL never times out."""
+    if backend == "hccl" and exec_timeout_s:
+        return max(float(timeout_s), float(exec_timeout_s) + exec_margin_s(exec_timeout_s))
+    return float(timeout_s)

@@ -12,11 +12,12 @@ import datetime as _dt
 import importlib
 import os
 import resource
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
+from trainers import rules
 from trainers.config import RuntimeConfig
 
 # what the elastic agent sets for each worker (its rank, the rendezvous, the restart count)
@@ -69,16 +70,57 @@ def select_device(rt: RuntimeConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group(rt: RuntimeConfig) -> None:
-    """Join the trial's process group (env:// variables from the launcher). Under torch's
-    elastic agent, a restarted worker group reuses the agent's store: its keys are prefixed with
-    the restart count, or the new ranks would read the dead ranks' addresses and fail to connect."""
+def determinism_env(device_type: str) -> Dict[str, str]:
+    """What a device's libraries need, beside ``torch.use_deterministic_algorithms``, to be
+    deterministic; set before the first kernel and the first communicator. cuBLAS: a fixed
+    workspace (torch docs, "Reproducibility" and ``use_deterministic_algorithms``: CUDA >= 10.2
+    needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` or ``:16:8``). HCCL: its reductions run in a fixed
+    order only with ``HCCL_DETERMINISTIC=true`` (CANN environment variable reference)."""
+    if device_type == "cuda":
+        return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    if device_type == "npu":
+        return {"HCCL_DETERMINISTIC": "true"}
+    return {}
+
+
+def set_deterministic(device_type: str, on: bool) -> None:
+    """``trainer.deterministic``: deterministic kernels and collectives, or the fastest ones.
+    The environment is set unless the user exported it; call before the process group."""
+    if on:
+        apply_env(determinism_env(device_type))
+    torch.use_deterministic_algorithms(on, warn_only=True)
+
+
+def setup(rt: RuntimeConfig, local_rank: int, deterministic: bool = False) -> torch.device:
+    """A worker's runtime, in the order the devices' libraries need it: backend environment, the
+    plugin import and the current device, then the process group bound to that device. HCCL and
+    NCCL create their communicators on the current device; torch_npu registers the "hccl" backend
+    when it is imported (torch's device-backend autoload does it too, unless a site sets
+    ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``), and its docs set the device before
+    ``init_process_group`` (torch_npu, "Distributed training" quick start)."""
+    apply_env(rt.env)
+    set_deterministic(rt.device_type, deterministic)
+    device = select_device(rt, local_rank)
+    init_process_group(rt, device)
+    return device
+
+
+def init_process_group(rt: RuntimeConfig, device: Optional[torch.device] = None) -> None:
+    """Join the trial's process group (env:// variables from the launcher). ``device``: the
+    worker's accelerator, passed as ``device_id`` (torch binds the group to it and creates the
+    NCCL/HCCL communicator at once, so a bad device or network fails here rather than in the
+    first collective); None or the CPU: no binding (gloo). Under torch's elastic agent, a
+    restarted worker group reuses the agent's store: its keys are prefixed with the restart
+    count, or the new ranks would read the dead ranks' addresses and fail to connect."""
     if dist.is_initialized():
         return
-    timeout = _dt.timedelta(seconds=rt.timeout_s)
+    exported = os.environ.get("HCCL_EXEC_TIMEOUT", "").strip()
+    seconds = rules.collective_timeout_s(rt.timeout_s, rt.backend, float(exported) if exported.isdigit() else None)
+    timeout = _dt.timedelta(seconds=seconds)
+    bound = {"device_id": device} if device is not None and device.type != "cpu" else {}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
-        dist.init_process_group(backend=rt.backend, init_method="env://", timeout=timeout)
+        dist.init_process_group(backend=rt.backend, init_method="env://", timeout=timeout, **bound)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -96,6 +138,7 @@ def init_process_group(rt: RuntimeConfig) -> None:
         rank=rank,
         world_size=world,
         timeout=timeout,
+        **bound,
     )
 
 
@@ -106,26 +149,49 @@ def synchronize(device: torch.device) -> None:
         torch.npu.synchronize(device)  # type: ignore[attr-defined]
 
 
+def _device_module(device: torch.device):
+    return torch.cuda if device.type == "cuda" else torch.npu  # type: ignore[attr-defined]
+
+
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak allocated device memory; on CPU the process's peak resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    if device.type == "npu":
-        return torch.npu.max_memory_allocated(device) / 2**30  # type: ignore[attr-defined]
+    """Peak allocated device memory (tensors only); on CPU the process's peak resident set."""
+    if device.type in ("cuda", "npu"):
+        return _device_module(device).max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def memory_gb(device: torch.device) -> Dict[str, float]:
+    """What this rank's device holds, GiB: ``allocated`` (peak of live tensors), ``reserved``
+    (peak the caching allocator held: allocated plus its slack and fragmentation, what the planner
+    is compared against) and ``device_used`` (the device's own count of used memory now: reserved
+    plus the runtime's context, communicator buffers and other processes' memory, total - free of
+    ``mem_get_info``). torch_npu has the same calls on ``torch.npu`` (its ``npu/memory.py``:
+    ``max_memory_reserved``, ``max_memory_allocated``; ``mem_get_info`` in ``npu/__init__.py``).
+    On CPU all three are the process's peak resident set."""
+    if device.type in ("cuda", "npu"):
+        mod = _device_module(device)
+        free, total = mod.mem_get_info(device)
+        return {
+            "allocated": mod.max_memory_allocated(device) / 2**30,
+            "reserved": mod.max_memory_reserved(device) / 2**30,
+            "device_used": (total - free) / 2**30,
+        }
+    rss = peak_memory_gb(device)
+    return {"allocated": rss, "reserved": rss, "device_used": rss}
+
+
 def compile_backend(device_type: str, requested: str = "auto"):
-    """The torch.compile backend for this device. On Ascend, Inductor has no NPU code generator in
-    most CANN releases: TorchAir's ``get_npu_backend()`` turns the captured graph into a GE graph
-    (import torch_npu before torchair). Elsewhere Inductor."""
+    """The torch.compile backend for this device. ``auto``: Inductor on CUDA and CPU; on Ascend,
+    ``aot_eager`` (graph capture and AOT autograd, kernels from torch_npu's eager ops), because
+    TorchAir, the NPU's graph compiler, is a beta feature aimed at inference (TorchAir user
+    guide, hiascend "torchair" overview; its aclgraph mode cannot capture a backward pass), so it
+    is not what a training trial gets unless asked for: ``torchair`` builds its
+    ``get_npu_backend()`` (torch_npu imported first, as its guide says). Any other name is
+    torch.compile's own."""
+    if requested == "torchair":
+        import torchair  # type: ignore[import-not-found]
+
+        return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
     if requested != "auto":
         return requested
-    if device_type == "npu":
-        try:
-            import torchair  # type: ignore[import-not-found]
-
-            return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
-        except ImportError:
-            return "aot_eager"  # graph capture without a device code generator
-    return "inductor"
+    return "aot_eager" if device_type == "npu" else "inductor"

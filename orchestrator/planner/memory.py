@@ -26,9 +26,10 @@
   p)`` on every rank for ZB-V (Qi et al. 2024: the same peak as 1F1B). The last stage also keeps
   the FP32 log-probabilities of the loss and their gradient, ``2 x 4 s b V / t``.
 - buffers: HCCL allocates ``2 x HCCL_BUFFSIZE`` per communicator (CANN environment variable
-  reference, HCCL_BUFFSIZE: "每个通信域占用 2*HCCL_BUFFSIZE 大小的内存"), NCCL is counted the
-  same way (it really scales with channels and peers: an estimate); communicators are the world,
-  dp, tp groups and the pipeline neighbours a rank talks to. Data parallelism
+  reference, HCCL_BUFFSIZE: "每个通信域占用 2*HCCL_BUFFSIZE 大小的内存"), NCCL per channel and
+  ring neighbour its three protocols' buffers (:func:`communicator_bytes`, ~294 MiB with 16
+  channels: an estimate, ``planner.nccl_channels``, calibrated by ``bench/comm_memory.py``);
+  communicators are the world, dp, tp groups and the pipeline neighbours a rank talks to. Data parallelism
   (:func:`dp_buffer_bytes`): DDP keeps a flat copy of every gradient in its buckets unless
   ``gradient_as_bucket_view`` (torch docs), else about two buckets in flight; FSDP gathers one
   block's parameters while prefetching the next. Without overlap (``comm.overlap=false``) there
@@ -168,6 +169,30 @@ def communicators(s: ParallelShape, rank: int) -> int:
     return n
 
 
+# NCCL's per-connection buffers beside NCCL_BUFFSIZE's Simple-protocol FIFO: LL128 (120 x 640
+# threads x 8 steps x 8 B = 4.6875 MiB) and LL (8 lines x 512 threads x 8 steps x 16 B = 0.5 MiB),
+# NCCL's DEFAULT_LL128_BUFFSIZE and DEFAULT_LL_BUFFSIZE (src/include/device.h)
+NCCL_LL128_BYTES = 120 * 640 * 8 * 8
+NCCL_LL_BYTES = 8 * 512 * 8 * 16
+
+
+def communicator_bytes(backend: str, comm: DictConfig, planner: DictConfig) -> float:
+    """Device memory one communicator allocates outside the caching allocator.
+
+    HCCL: ``2 x HCCL_BUFFSIZE`` (CANN environment variable reference, HCCL_BUFFSIZE: "每个通信域
+    占用 2*HCCL_BUFFSIZE 大小的内存", a send and a receive buffer). NCCL: per channel, a ring
+    connection to each of its two neighbours, each with the three protocols' buffers
+    (``NCCL_BUFFSIZE`` for Simple, plus LL128 and LL); channels are ``planner.nccl_channels``, an
+    estimate (NCCL maintainers: memory grows linearly with channels and with communicators;
+    NVLS on Hopper adds ~288 MiB per rank beyond 2 GPUs, not counted). gloo: host memory, 0."""
+    if backend == "hccl":
+        return 2 * float(comm.buffsize_mb) * MiB
+    if backend == "nccl":
+        simple = float(comm.get("nccl_buffsize_mb", 4.0)) * MiB
+        return int(planner.get("nccl_channels", 16)) * 2 * (simple + NCCL_LL128_BYTES + NCCL_LL_BYTES)
+    return 0.0
+
+
 def dp_buffer_bytes(
     m: ModelShape, s: ParallelShape, comm: DictConfig, planner: DictConfig, n: int, pb: int, gb: int
 ) -> float:
@@ -268,10 +293,7 @@ def memory_plan(
             head_k = s.microbatches if s.pp > 1 and s.schedule == "gpipe" else 1
             act += head_k * (2 * 4 * sb * m.vocab / s.tp + act_b * sb * m.d)
         n_comm = communicators(s, rank)
-        # HCCL: HCCL_BUFFSIZE twice per communicator (CANN docs). NCCL: NCCL_BUFFSIZE per channel
-        # and peer; counted here as twice per communicator too, a rough lower bound
-        per_comm = {"hccl": float(comm.buffsize_mb), "nccl": float(comm.get("nccl_buffsize_mb", 4.0))}
-        comm_buf = 2 * n_comm * per_comm.get(chip.dist_backend, 0.0) * MiB
+        comm_buf = n_comm * communicator_bytes(chip.dist_backend, comm, planner)
         dp_buf = dp_buffer_bytes(m, s, comm, planner, rank_params(m, s, rc), pb, gb)
         overhead = float(planner.runtime_overhead_gb) * GiB + float(planner.overhead_fraction) * (state.total + act)
         plan = MemoryPlan(

@@ -65,7 +65,7 @@ class ModelShape:
             layernorm=model.get("norm", "layernorm") == "layernorm",
             learned_pos=model.get("pos_emb", "learned") == "learned",
             tied=bool(model.get("tie_embeddings", True)),
-            fused_attention=model.get("attn_impl", "fused") == "fused",
+            fused_attention=model.get("attn_impl", "fused") in ("fused", "npu_fused"),
             checkpointing=bool(model.get("activation_checkpointing", False)),
         )
 
