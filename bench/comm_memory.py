@@ -26,7 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def _device_kind() -> str:
+def device_kind() -> tuple[str, int]:
+    """The accelerator here and how many: ("npu", n) when torch_npu imports and sees devices,
+    ("cuda", n), else ("cpu", 0)."""
     import importlib.util
 
     import torch
@@ -36,10 +38,12 @@ def _device_kind() -> str:
             import torch_npu  # noqa: F401
 
             if torch.npu.is_available():  # type: ignore[attr-defined]
-                return "npu"
-        except Exception:
+                return "npu", torch.npu.device_count()  # type: ignore[attr-defined]
+        except Exception:  # CANN missing or broken: no usable NPU
             pass
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.device_count()
+    return "cpu", 0
 
 
 def _used_bytes(kind: str, device) -> int:
@@ -103,15 +107,13 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     args = ap.parse_args()
 
-    import torch
     from omegaconf import OmegaConf
 
     from orchestrator.config import CommConfig, PlannerConfig
     from orchestrator.planner.memory import communicator_bytes
 
-    kind = _device_kind()
-    count = {"cuda": torch.cuda.device_count, "npu": lambda: torch.npu.device_count()}.get(kind, lambda: 2)()  # type: ignore[attr-defined]
-    world = args.world or max(1, count)
+    kind, count = device_kind()
+    world = args.world or (count if kind != "cpu" else 2)
     comm = OmegaConf.structured(CommConfig)
     env = {}
     if args.buffsize_mb is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from typing import Dict, List, Optional, Sequence
 from orchestrator.launch import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
+_TOKEN = secrets.token_hex(32)
 
 
 def node_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -33,8 +35,11 @@ def node_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env.pop("MLFLOW_TRACKING_URI", None)  # mlflow.set_tracking_uri() in this process exports it
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
     env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"
-    # `ray start --head` turns token authentication on; nodes and drivers use ~/.ray/auth_token
+    # `ray start --head` turns token authentication on; nodes and drivers share this process's
+    # token (a fresh machine has no ~/.ray/auth_token, and `ray start` in token mode refuses
+    # to start without one)
     env["RAY_AUTH_MODE"] = "token"
+    env.setdefault("RAY_AUTH_TOKEN", _TOKEN)
     env.update(extra or {})
     return env
 

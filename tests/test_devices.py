@@ -7,8 +7,10 @@ a recorder standing in for ``torch.cuda`` / ``torch.npu`` and ``init_process_gro
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import subprocess
 import sys
 import types
 
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from orchestrator import chips, devices
+from tests.conftest import cli_env
 from trainers import rules, runtime
 from trainers.config import RuntimeConfig
 
@@ -142,47 +145,63 @@ class _Recorder:
         self.calls = []
 
     def set_device(self, index):
-        self.calls.append(("set_device", index))
+        self.calls.append(["set_device", index])
 
     def import_module(self, name):
-        self.calls.append(("import", name))
+        self.calls.append(["import", name])
         if name == "torch_npu" and torch._C._get_privateuse1_backend_name() != "npu":
-            # what importing torch_npu does first: the "npu" device type (this process keeps it)
+            # what importing torch_npu does first: the "npu" device type (for good, in this process)
             torch.utils.rename_privateuse1_backend("npu")
         return types.ModuleType(name)
 
     def init_process_group(self, backend=None, **kw):
         env = {k: os.environ.get(k) for k in ("HCCL_DETERMINISTIC", "CUBLAS_WORKSPACE_CONFIG", "HCCL_EXEC_TIMEOUT")}
-        self.calls.append(("init", backend, kw.get("device_id"), kw["timeout"].total_seconds(), env))
+        device = kw.get("device_id")
+        bound = str(device) if device is not None else None
+        self.calls.append(["init", backend, bound, kw["timeout"].total_seconds(), env])
 
 
-@pytest.mark.parametrize("kind,backend,plugin", [("npu", "hccl", "torch_npu"), ("cuda", "nccl", None)])
-def test_the_process_group_is_created_after_the_device_is_set_and_bound_to_it(monkeypatch, kind, backend, plugin):
+def setup_calls(kind: str, backend: str, plugin: str | None) -> list:
+    """What ``trainers.runtime.setup`` calls, in order, for a worker of local rank 3 on a device of
+    ``kind``, with a recorder in place of the device runtime. Run in a process of its own: the NPU
+    case renames torch's privateuse1 device to "npu" for good, as torch_npu does."""
     rec = _Recorder()
     for key in ("HCCL_DETERMINISTIC", "CUBLAS_WORKSPACE_CONFIG", "HCCL_EXEC_TIMEOUT", "TORCHELASTIC_RESTART_COUNT"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setattr(runtime.importlib, "import_module", rec.import_module)
-    monkeypatch.setattr(runtime.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(runtime.dist, "init_process_group", rec.init_process_group)
-    monkeypatch.setattr(runtime.torch, "use_deterministic_algorithms", lambda *a, **k: None)
+        os.environ.pop(key, None)
+    runtime.importlib.import_module = rec.import_module
+    runtime.dist.is_initialized = lambda: False
+    runtime.dist.init_process_group = rec.init_process_group
+    runtime.torch.use_deterministic_algorithms = lambda *a, **k: None
     if kind == "npu":
-        monkeypatch.setattr(torch, "npu", types.SimpleNamespace(set_device=rec.set_device), raising=False)
+        torch.npu = types.SimpleNamespace(set_device=rec.set_device)
     else:
-        monkeypatch.setattr(torch.cuda, "set_device", rec.set_device)
+        torch.cuda.set_device = rec.set_device
     env = {"HCCL_EXEC_TIMEOUT": "540"} if backend == "hccl" else {}
     rt = RuntimeConfig(device_type=kind, backend=backend, torch_plugin=plugin, env=env, timeout_s=600)
     device = runtime.setup(rt, local_rank=3, deterministic=True)
-    assert device == torch.device(kind, 3)
-    names = [c[0] for c in rec.calls]
+    return [str(device), rec.calls]
+
+
+@pytest.mark.parametrize("kind,backend,plugin", [("npu", "hccl", "torch_npu"), ("cuda", "nccl", None)])
+def test_the_process_group_is_created_after_the_device_is_set_and_bound_to_it(kind, backend, plugin):
+    code = (
+        "import json, sys; from tests.test_devices import setup_calls; "
+        f"print(json.dumps(setup_calls({kind!r}, {backend!r}, {plugin!r})))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=cli_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    device, calls = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert device == f"{kind}:3"
+    names = [c[0] for c in calls]
     assert names == (["import", "set_device", "init"] if plugin else ["set_device", "init"])
-    init = rec.calls[-1]
-    assert init[1] == backend and init[2] == torch.device(kind, 3)  # device_id: bound to the device
-    assert init[3] == 600 >= int(env.get("HCCL_EXEC_TIMEOUT", 0))
+    _, got_backend, device_id, timeout, env = calls[-1]
+    assert got_backend == backend and device_id == f"{kind}:3"  # device_id: bound to the device
+    assert timeout == 600 >= int(env.get("HCCL_EXEC_TIMEOUT") or 0)
     # the backend's variables are in place before the communicator is created
     if kind == "npu":
-        assert init[4]["HCCL_DETERMINISTIC"] == "true" and init[4]["HCCL_EXEC_TIMEOUT"] == "540"
+        assert env["HCCL_DETERMINISTIC"] == "true" and env["HCCL_EXEC_TIMEOUT"] == "540"
     else:
-        assert init[4]["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
 
 
 def test_a_cpu_worker_joins_without_binding_a_device(monkeypatch):
@@ -193,6 +212,7 @@ def test_a_cpu_worker_joins_without_binding_a_device(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", str(torch.get_num_threads()))
     assert runtime.setup(RuntimeConfig(), local_rank=0) == torch.device("cpu")
     assert rec.calls[-1][1] == "gloo" and rec.calls[-1][2] is None
+    assert torch._C._get_privateuse1_backend_name() == "privateuseone"  # the NPU case ran elsewhere
 
 
 def test_torchair_is_used_only_when_named():
