@@ -111,7 +111,7 @@ def _first_metric_time(db: Path) -> float:
     from mlflow.tracking import MlflowClient
 
     c = MlflowClient("sqlite:///" + str(db))
-    runs = c.search_runs([c.get_experiment_by_name("default").experiment_id])
+    runs = c.search_runs([c.get_experiment_by_name("orchestrator").experiment_id])
     return min(m.timestamp for m in c.get_metric_history(runs[0].info.run_id, "loss")) / 1000.0
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import sys
 from typing import Any, Dict, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import conf_dir, ray_sweep, sweep, trial
 from orchestrator.config import register_configs
@@ -68,16 +69,54 @@ def finished_before(cfg: DictConfig, job_num: int) -> Optional[Dict[str, Any]]:
     }
 
 
+def maximizes(sweeper: Any) -> bool:
+    """Whether the sweeper in ``hydra.sweeper`` maximizes its objective: Optuna's ``direction``
+    (``maximize``, or a list of one), Nevergrad's ``optim.maximize``, Ax's
+    ``ax_config.experiment.minimize``; any other sweeper is taken to minimize."""
+    if sweeper is None:
+        return False
+    direction = OmegaConf.select(sweeper, "direction")
+    if direction is not None:
+        first = direction[0] if OmegaConf.is_list(direction) or isinstance(direction, list) else direction
+        return str(getattr(first, "name", first)).lower() == "maximize"
+    if OmegaConf.select(sweeper, "optim.maximize") is not None:
+        return bool(OmegaConf.select(sweeper, "optim.maximize"))
+    if OmegaConf.select(sweeper, "ax_config.experiment.minimize") is not None:
+        return not bool(OmegaConf.select(sweeper, "ax_config.experiment.minimize"))
+    return False
+
+
+def objective(cfg: DictConfig, result: Dict[str, Any], sweeper: Any = None) -> Any:
+    """What the job returns to its sweeper: ``result`` itself, or with ``optimized_metric`` set,
+    that summary metric as a float. A trial that did not finish (failed, infeasible, pruned by
+    the planner) or lacks the metric returns the worst value of the sweeper's direction (+inf
+    when it minimizes, -inf when it maximizes): a completed trial no sweeper can read as a good
+    one. Not NaN: Optuna's Hydra sweeper (1.2, 1.3) crashes on a NaN return instead of failing
+    the trial (it tells the study FAIL with the values still set)."""
+    name = cfg.get("optimized_metric")
+    if not name:
+        return result
+    summary = result.get("summary") or {}
+    value = summary.get(name)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if result["status"] == "finished" and not number:
+        numeric = sorted(k for k, v in summary.items() if isinstance(v, (int, float)))
+        log.error("optimized_metric=%s: the trial logged no such metric (it logs %s)", name, ", ".join(numeric))
+    if result["status"] != "finished" or not number:
+        return -math.inf if maximizes(sweeper) else math.inf
+    return float(value)
+
+
 def main(cfg: DictConfig, hc: DictConfig):
     """One job: the trial of ``cfg``, with the job's Hydra config ``hc`` (overrides, mode, launcher)."""
     overrides = list(hc.overrides.task)
     multirun = hc.mode == RunMode.MULTIRUN
     # under hydra/launcher=ray every trial goes to Ray; otherwise the trial's size decides
-    launcher = "ray" if hc.runtime.choices.get("hydra/launcher") == "ray" else None
+    launcher = "ray" if ray_sweep.is_ray_job(hc) else None  # hydra/launcher=ray_trials (or its alias ray)
     if multirun:
         reused = finished_before(cfg, int(hc.job.num))
         if reused is not None:
-            return reused
+            return objective(cfg, reused, hc.sweeper)
     try:
         result = trial.run(cfg, overrides, launcher=launcher, slot=ray_sweep.board_slot(hc))
     except trial.ConfigError as err:
@@ -86,11 +125,12 @@ def main(cfg: DictConfig, hc: DictConfig):
         if not multirun:
             sys.exit(EXIT_CONFIG)
         # in a sweep, a point that cannot run is recorded as infeasible and the sweep goes on
-        return {"status": "infeasible", "run_id": trial.record_infeasible(cfg, overrides, err.errors)}
+        infeasible = {"status": "infeasible", "run_id": trial.record_infeasible(cfg, overrides, err.errors)}
+        return objective(cfg, infeasible, hc.sweeper)
     _report(result)
     if result["status"] != "finished" and not multirun:
         sys.exit(EXIT_FAILED)
-    return result
+    return objective(cfg, result, hc.sweeper)
 
 
 class Task:

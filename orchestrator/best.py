@@ -4,22 +4,24 @@
 objective (median step time after warm-up by default), among finished runs whose loss did not
 diverge (non-finite, or ending above where it started). Repeats of one config (one
 ``trial.config_hash``) count as one candidate, valued by the median of their runs. Filters:
-``--sweep``, ``--chip``, ``--model``, ``--status``. ``--json`` prints the best as JSON (keys
-``run_id``, ``objective``, ``value``, ``overrides``, ``command`` and more); ``--write PATH`` saves
-its resolved config as a Hydra config: put it at ``DIR/experiment/NAME.yaml`` and run
-``python -m orchestrator --config-dir DIR +experiment=NAME``.
+``--sweep``, ``--chip``, ``--model``, ``--status``, and ``--filter EXPR`` (any MLflow search
+filter, e.g. ``"metrics.final_loss < 5 and params.`trainer.lr` = '0.003'"``), all of which a run
+must match. ``--json`` prints the best as JSON (keys ``run_id``, ``objective``, ``value``,
+``overrides``, ``command`` and more); ``--write PATH`` saves its resolved config as a Hydra
+config: put it at ``DIR/experiment/NAME.yaml`` and run
+``python -m orchestrator --config-dir DIR +experiment=NAME``. Exit codes: :mod:`orchestrator.cli`
+(3: no run matched).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator import results, tracking
+from orchestrator import cli, results, tracking
 from orchestrator.results import fmt
 
 
@@ -32,10 +34,12 @@ def rank(
     chip: Optional[str] = None,
     model: Optional[str] = None,
     status: str = tracking.STATUS_OK,
+    filter_string: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """Candidates (configs) best first, and what was left out and why."""
+    """Candidates (configs) best first, and what was left out and why; ``filter_string`` is an
+    MLflow filter the runs must match besides the tag filters."""
     runs = results.search(
-        uri, experiment, results.tag_filter(sweep=sweep, chip=chip, model=model, trial__status=status)
+        uri, experiment, cli.build_filter(filter_string, sweep=sweep, chip=chip, model=model, trial__status=status)
     )
     excluded: List[Dict[str, str]] = []
     groups: Dict[str, List[Any]] = {}
@@ -152,9 +156,8 @@ def experiment_yaml(uri: str, best: Dict[str, Any], stem: str) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.best", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--experiment", default="default", help="MLflow experiment (default: default)")
-    ap.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db here")
+    ap = cli.parser("orchestrator.best", __doc__.split("\n\n")[0])
+    cli.add_tracking_args(ap)
     ap.add_argument("--objective", default="step_time_median_s", help="any metric the runs log")
     ap.add_argument("--direction", default="minimize", choices=results.DIRECTIONS)
     ap.add_argument("--sweep", help="only this sweep's trials (its id, the sweep tag)")
@@ -163,30 +166,28 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument(
         "--status", default=tracking.STATUS_OK, help="trial.status of the runs considered (default finished)"
     )
+    cli.add_filter_arg(ap)
     ap.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
-    ap.add_argument("--json", action="store_true", help="print the best as JSON")
+    cli.add_json_arg(ap, "the best")
     ap.add_argument("--write", metavar="PATH", help="save the best config as a Hydra config (DIR/experiment/NAME.yaml)")
     args = ap.parse_args(argv)
-    uri = tracking.resolve_uri({"uri": args.tracking_uri})
-    if tracking.client(uri).get_experiment_by_name(args.experiment) is None:
-        print(f"error: --experiment={args.experiment}: no such experiment in {uri}", file=sys.stderr)
-        return 2
-    ranked = rank(uri, args.experiment, args.objective, args.direction, args.sweep, args.chip, args.model, args.status)
+    if args.top < 1:
+        return cli.bad_input(f"--top={args.top}: must be positive")
+    why = cli.check_filter(args.filter)
+    uri = cli.tracking_uri(args.tracking_uri)
+    why = why or cli.experiment_error(uri, args.experiment)
+    if why:
+        return cli.bad_input(why)
+    tags = {"sweep": args.sweep, "chip": args.chip, "model": args.model, "status": args.status}
+    ranked = rank(uri, args.experiment, args.objective, args.direction, filter_string=args.filter, **tags)
     cands = ranked["candidates"]
     if not cands:
-        filters = ", ".join(
-            f"{k}={v}"
-            for k, v in (("sweep", args.sweep), ("chip", args.chip), ("model", args.model), ("status", args.status))
-            if v
+        filters = ", ".join(f"{k}={v}" for k, v in {**tags, "filter": args.filter}.items() if v)
+        return cli.no_match(
+            f"--experiment={args.experiment}: no run with {args.objective} ({filters}) among "
+            f"{ranked['considered']} matching run(s); {len(ranked['excluded'])} excluded",
+            [f"{e['run_id']}: {e['reason']}" for e in ranked["excluded"][:10]],
         )
-        print(
-            f"error: --experiment={args.experiment}: no run with {args.objective} ({filters}); "
-            f"{len(ranked['excluded'])} excluded",
-            file=sys.stderr,
-        )
-        for e in ranked["excluded"][:10]:
-            print(f"  {e['run_id']}: {e['reason']}", file=sys.stderr)
-        return 1
     best = describe(uri, args.objective, args.direction, cands[0], args.experiment)
     if args.write:
         path = Path(args.write)

@@ -1,19 +1,21 @@
 """Compare two trials step by step and layer by layer: where do they part?
 
-    python -m orchestrator.compare RUN_A RUN_B [--threshold 0.02] [--uri URI] [--out DIR] [--json] [--log]
+    python -m orchestrator.compare RUN_A RUN_B [--threshold 0.02] [--tracking-uri URI] [--experiment NAME]
+                                   [--out DIR] [--json] [--log]
 
-RUN_A / RUN_B are MLflow run ids. The per-step losses are aligned on the step; the first step
+RUN_A / RUN_B are MLflow run ids, or the start of one (as ``orchestrator.best`` prints them) among
+the runs of --experiment. The per-step losses are aligned on the step; the first step
 whose relative difference |a - b| / |a| exceeds the threshold is the first divergence. Where both
 runs recorded per-layer statistics (``precision.monitor=k``), each sampled step's activation and
 gradient statistics are compared per layer (relative error of mean |x|, cosine similarity of the
 channel-mean fingerprints), and the first layer that departs (by the same threshold, or a
 cosine below 1 - threshold) is named. Writes ``compare.md`` and ``compare_loss.png`` to --out;
-``--log`` also attaches them to RUN_B in MLflow.
+``--log`` also logs them to RUN_B in MLflow. It exits 3 (nothing matched) when the two runs have
+no logged loss step in common.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -21,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator import tracking
+from orchestrator import cli, results, tracking
 
 
 def _losses(client, run_id: str) -> Dict[int, float]:
@@ -131,65 +133,103 @@ def write_report(result: Dict[str, Any], out: Path) -> List[Path]:
         ]
     paths = [out / "compare.md"]
     paths[0].write_text("\n".join(md) + "\n")
+    fig = loss_figure(result)
+    if fig is not None:
+        import matplotlib.pyplot as plt
+
+        fig.savefig(out / "compare_loss.png", dpi=100)
+        plt.close(fig)
+        paths.append(out / "compare_loss.png")
+    return paths
+
+
+def loss_figure(result: Dict[str, Any]) -> Any:
+    """Both loss curves and the first divergence; None without matplotlib (it comes with mlflow;
+    without it, the markdown alone)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in result["per_step"]]
+    ax.plot(steps, [r["loss_a"] for r in result["per_step"]], label=result["run_a"][:8])
+    ax.plot(steps, [r["loss_b"] for r in result["per_step"]], label=result["run_b"][:8], linestyle="--")
+    if result["first_divergence_step"] is not None:
+        ax.axvline(result["first_divergence_step"], color="red", linewidth=0.8, label="first divergence")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    return fig
 
-        fig, ax = plt.subplots(figsize=(7, 4))
-        steps = [r["step"] for r in result["per_step"]]
-        ax.plot(steps, [r["loss_a"] for r in result["per_step"]], label=result["run_a"][:8])
-        ax.plot(steps, [r["loss_b"] for r in result["per_step"]], label=result["run_b"][:8], linestyle="--")
-        if result["first_divergence_step"] is not None:
-            ax.axvline(result["first_divergence_step"], color="red", linewidth=0.8, label="first divergence")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / "compare_loss.png", dpi=100)
+
+def log_report(uri: str, run_id: str, paths: List[Path], result: Dict[str, Any]) -> None:
+    """``--log``: the report's files under ``compare/`` of ``run_id``, the plot as a figure
+    (``MlflowClient.log_figure``)."""
+    c = tracking.client(uri)
+    for p in paths:
+        fig = loss_figure(result) if p.suffix == ".png" else None
+        if fig is None:
+            c.log_artifact(run_id, str(p), "compare")
+            continue
+        import matplotlib.pyplot as plt
+
+        c.log_figure(run_id, fig, f"compare/{p.name}", save_kwargs={"dpi": 100})
         plt.close(fig)
-        paths.append(out / "compare_loss.png")
-    except ImportError:  # matplotlib comes with mlflow; without it, the markdown alone
+
+
+def resolve_run(uri: str, experiment: str, ref: str) -> List[str]:
+    """The run ids ``ref`` can mean: itself when it is a run, else the runs of ``experiment``
+    whose id starts with it (empty when none does)."""
+    try:
+        return [tracking.client(uri).get_run(ref).info.run_id]
+    except Exception:  # noqa: BLE001 - MLflow's "run not found": try it as a prefix
         pass
-    return paths
+    if len(ref) < 4:
+        return []
+    return [r.info.run_id for r in results.search(uri, experiment, trials_only=False) if r.info.run_id.startswith(ref)]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m orchestrator.compare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("run_a")
-    ap.add_argument("run_b")
+    ap = cli.parser("orchestrator.compare", __doc__)
+    ap.add_argument("run_a", help="a run id, or its first characters (at least 4) among the runs of --experiment")
+    ap.add_argument("run_b", help="the run compared to RUN_A; --log logs the report on it")
     ap.add_argument("--threshold", type=float, default=0.02, help="relative difference that counts (default 0.02)")
-    ap.add_argument("--uri", default=None, help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI or ./mlruns.db)")
+    cli.add_tracking_args(ap)
     ap.add_argument("--out", default="compare", help="folder for compare.md and compare_loss.png")
-    ap.add_argument("--json", action="store_true", help="print the result as JSON")
-    ap.add_argument("--log", action="store_true", help="attach the report to RUN_B in MLflow")
+    cli.add_json_arg(ap, "the result")
+    cli.add_log_arg(ap, "RUN_B")
     args = ap.parse_args(argv)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     if not args.threshold > 0:
-        print(f"error: --threshold={args.threshold}: must be positive", file=sys.stderr)
-        return 2
-    uri = tracking.resolve_uri({"uri": args.uri})
-    client = tracking.client(uri)
-    for key, rid in (("run_a", args.run_a), ("run_b", args.run_b)):
-        try:
-            client.get_run(rid)
-        except Exception:
-            print(f"error: {key}={rid}: no such run in {uri}", file=sys.stderr)
-            return 2
-    result = compare(uri, args.run_a, args.run_b, args.threshold)
+        return cli.bad_input(f"--threshold={args.threshold}: must be positive")
+    uri = cli.tracking_uri(args.tracking_uri)
+    why = cli.store_error(uri)
+    if why:
+        return cli.bad_input(why)
+    run_ids = []
+    for key, ref in (("run_a", args.run_a), ("run_b", args.run_b)):
+        found = resolve_run(uri, args.experiment, ref)
+        if len(found) != 1:
+            some = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+            what = f"{len(found)} runs start with it ({some})" if found else "no such run"
+            return cli.bad_input(f"{key}={ref}: {what} in {uri} (experiment {args.experiment})")
+        run_ids.append(found[0])
+    result = compare(uri, *run_ids, args.threshold)
+    if not result["steps_compared"]:
+        return cli.no_match(f"run_a={args.run_a}, run_b={args.run_b}: no step whose loss both runs logged")
     paths = write_report(result, Path(args.out))
     if args.log:
-        for p in paths:
-            client.log_artifact(args.run_b, str(p), "compare")
+        log_report(uri, run_ids[1], paths, result)
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k not in ("per_step", "layers")}, default=str))
     else:
         print((Path(args.out) / "compare.md").read_text().split("\n| step")[0])
         print(f"report: {', '.join(str(p) for p in paths)}")
-    return 0
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ class ChipConfig:
 @dataclass
 class TrackingConfig:
     uri: Optional[str] = None  # default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db (cwd)
-    experiment: str = "default"
+    # not "default": MLflow's own experiment is "Default" (id 0), and the UI would list both
+    experiment: str = "orchestrator"
     artifact_location: Optional[str] = None  # default: ./mlartifacts next to the sqlite file
     enabled: bool = True
     # a multirun does not launch a point whose config hash already has a finished run in the
@@ -62,8 +63,10 @@ class TrackingConfig:
 
 @dataclass
 class RayLaunchConfig:
-    """Where trials go when they go to Ray (``hydra/launcher=ray``, a trial larger than one node,
-    or a cluster address): not part of a trial's config hash."""
+    """Where trials go when they go to Ray (``hydra/launcher=ray_trials`` or its alias ``ray``, a
+    trial larger than one node, or a cluster address): not part of a trial's config hash. Under
+    that launcher, ``hydra.launcher.address`` and ``hydra.launcher.init.*`` win over these keys
+    (see :func:`orchestrator.ray_sweep.launch_jobs`)."""
 
     address: Optional[str] = None  # join this cluster (default $RAY_ADDRESS); none: start a local one
     num_cpus: Optional[int] = None  # CPUs of a local cluster; default: all of this machine's
@@ -135,6 +138,10 @@ class Config:
     # missing and the local accelerator is detected (keys set with chip.KEY=... still apply)
     chip: ChipConfig = field(default_factory=ChipConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    # the summary metric a job returns to its sweeper as a float (Hydra's convention for Optuna,
+    # Nevergrad, Ax), e.g. step_time_median_s; NaN for a trial that failed or could not run.
+    # None: a job returns its result (status, run id, summary) as a dict
+    optimized_metric: Optional[str] = None
 
 
 GROUPS: Dict[str, Any] = {

@@ -1,4 +1,5 @@
-"""python -m orchestrator.plan [--devices N] [--json] [--calibrate] [--probe FILE] [overrides ...]
+"""python -m orchestrator.plan [--devices N] [--json] [--calibrate] [--tracking-uri URI] [--experiment NAME]
+                           [--probe FILE] [overrides ...]
 
 Plans a trial without running it, from the same overrides as ``python -m orchestrator``:
 
@@ -8,25 +9,26 @@ Plans a trial without running it, from the same overrides as ``python -m orchest
 prints the memory breakdown per rank, whether it fits, the pipeline bubble, the communication
 share, the estimated step time and MFU, for the composed layout or, with ``--devices N``, for
 every DP/TP/PP layout of N devices, fastest first. ``--calibrate`` first fits the efficiency
-factors to the finished trials of this chip in MLflow (``tracking.uri``/``tracking.experiment``).
+factors to the finished trials of this chip in MLflow (``--tracking-uri``/``--experiment``, which
+set ``tracking.uri``/``tracking.experiment``; those overrides work too, the flags win).
 ``--probe FILE`` instead runs every operator of the model on this machine's device and writes the
 chip's operator table (``unsupported_ops``) to FILE.
 
-Exit codes: 0 planned; 2 the overrides or the config are broken (one ``error:`` line each).
+Exit codes: 0 planned; 2 the flags, overrides or config are broken (one ``error:`` line each);
+3 ``--calibrate`` found no finished trial of the chip to fit to.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import planner
+from orchestrator import cli, planner
 
-EXIT_CONFIG = 2
+EXIT_CONFIG = cli.EXIT_BAD_INPUT
 
 
 def compose(overrides: List[str]) -> DictConfig:
@@ -54,10 +56,10 @@ def _error_line(err: BaseException) -> str:
     return line
 
 
-def _fail(lines: List[str]) -> None:
+def _fail(lines: List[str]) -> int:
     for line in lines:
-        print(f"error: {line}", file=sys.stderr)
-    sys.exit(EXIT_CONFIG)
+        cli.bad_input(line)
+    return EXIT_CONFIG
 
 
 def _pct(x: float) -> str:
@@ -111,14 +113,25 @@ def header(cfg: DictConfig, cov: planner.OpCoverage, devices: Optional[int], cal
     return "\n".join(lines)
 
 
+class NoTrials(LookupError):
+    """--calibrate: nothing to fit to."""
+
+
 def calibrate_into(cfg: DictConfig) -> str:
-    """Fit the efficiencies to MLflow's finished trials of this chip; say what was done."""
+    """Fit the efficiencies to MLflow's finished trials of this chip; say what was done. Raises
+    ValueError (no such store or experiment) or NoTrials (no finished trial of the chip in it)."""
     from orchestrator import tracking
 
     uri = tracking.resolve_uri(cfg.tracking)
+    why = cli.experiment_error(uri, cfg.tracking.experiment, ("tracking.uri", "tracking.experiment"))
+    if why:
+        raise ValueError(why)
     trials = planner.measured_trials(uri, cfg.tracking.experiment, cfg.chip.name)
     if not trials:
-        return f"defaults: no finished trial of chip={cfg.chip.name} in experiment {cfg.tracking.experiment!r}"
+        raise NoTrials(
+            f"--calibrate: no finished trial of chip={cfg.chip.name} with step_time_median_s "
+            f"in experiment {cfg.tracking.experiment} ({uri})"
+        )
     cal = planner.calibrate(trials, cfg.planner)
     loo = planner.cross_validate(trials, cfg.planner)  # before the fitted factors replace the configured
     cfg.planner.compute_efficiency, cfg.planner.comm_efficiency = cal.compute_efficiency, cal.comm_efficiency
@@ -155,51 +168,60 @@ def probe(cfg: DictConfig, path: str) -> Dict[str, Dict[str, str]]:
     return results
 
 
-def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(
-        prog="python -m orchestrator.plan",
-        description=__doc__.split("\n\n")[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = cli.parser("orchestrator.plan", __doc__.split("\n\n")[1])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m orchestrator")
     ap.add_argument("--devices", type=int, default=None, help="plan every DP/TP/PP layout of N devices")
-    ap.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
+    cli.add_json_arg(ap, "a list, one object per layout,")
     ap.add_argument("--calibrate", action="store_true", help="fit efficiency factors to finished MLflow trials")
+    cli.add_tracking_args(ap, defaults=False)
     ap.add_argument("--probe", metavar="FILE", help="probe the operators on this machine's device, write FILE")
     args = ap.parse_intermixed_args(argv)
     if args.devices is not None and args.devices < 1:
-        _fail([f"--devices={args.devices}: must be positive"])
+        return _fail([f"--devices={args.devices}: must be positive"])
     try:
         cfg = planner.resolved(compose(args.overrides))
     except Exception as err:  # noqa: BLE001 - Hydra's composition errors: bad input
-        _fail([_error_line(err)])
+        return _fail([_error_line(err)])
+    # the flags over tracking.* (set after composing: a URI needs no quoting for Hydra's grammar)
+    if args.tracking_uri is not None:
+        cfg.tracking.uri = args.tracking_uri
+    if args.experiment is not None:
+        cfg.tracking.experiment = args.experiment
 
     if args.probe:
         results = probe(cfg, args.probe)
         bad = {op: r for op, r in results.items() if r["status"] in ("fallback", "error")}
         print(f"probed {len(results)} operators on {cfg.chip.name}: {len(bad)} unsupported; wrote {args.probe}")
-        return
+        return cli.EXIT_OK
 
-    calibrated = calibrate_into(cfg) if args.calibrate else "defaults from planner.*; --calibrate fits them"
-    if args.calibrate and args.json:
-        print(calibrated, file=sys.stderr)
+    calibrated = "defaults from planner.*; --calibrate fits them"
+    if args.calibrate:
+        try:
+            calibrated = calibrate_into(cfg)
+        except ValueError as err:
+            return _fail([str(err)])
+        except NoTrials as err:
+            return cli.no_match(str(err))
+        if args.json:
+            print(calibrated, file=sys.stderr)
     cov = planner.op_coverage(cfg.model, int(cfg.trainer.seq_len), cfg.precision.compute_dtype, cfg.chip)
     skipped: Dict[str, List[str]] = {}
     if args.devices is None:
         errors = planner.planning_errors(cfg)
         if errors:
-            _fail(errors)
+            return _fail(errors)
         plans = [planner.plan_layout(planner.with_model_overrides(cfg, cov.model_overrides))]
     else:
         plans, skipped = planner.plan_devices(cfg, args.devices)
         if not plans:
-            _fail(
+            return _fail(
                 sorted({e for errs in skipped.values() for e in errs})
                 or [f"--devices={args.devices}: no DP/TP/PP layout of {cfg.model.name} fits that many devices"]
             )
     if args.json:
         print(json.dumps([p.contract() for p in plans], indent=1))
-        return
+        return cli.EXIT_OK
     print(header(cfg, cov, args.devices, calibrated))
     print()
     print(table(plans))
@@ -207,7 +229,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"\nskipped {len(skipped)} layout(s):")
         for name, errors in skipped.items():
             print(f"  {name}: {'; '.join(errors)}")
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,12 +1,14 @@
-"""The core of the ``hydra/launcher=ray`` launcher: every job of a sweep's batch is submitted to
-Ray at once, and each runs when its trial's devices are free.
+"""The core of the ``hydra/launcher=ray_trials`` launcher (alias ``ray``): every job of a sweep's
+batch is submitted to Ray at once, and each runs when what it holds is free.
 
-Each job is one Ray task on the sweep's node that runs Hydra's ``run_job`` as the basic launcher
-would; its trial goes to Ray (:mod:`orchestrator.ray_trial`). The jobs' trials tell the sweep when
-their workers are placed through a progress board (a named Ray actor): the launcher writes the
-board's name into each job's Hydra config (``hydra.launcher.board``, beside ``hydra.job.num``,
-the job's key on it), and the task function reads it back with :func:`board_slot`. The plugin
-shim in ``hydra_plugins/ray_launcher`` calls :func:`launch_jobs`.
+Each job is one Ray task that runs Hydra's ``run_job`` as the basic launcher would (same job
+returns, output dirs, ``hydra.job.chdir``, ``.hydra/`` files), for any Hydra app's task function.
+This application's jobs hold nothing themselves: each one's trial goes to Ray
+(:mod:`orchestrator.ray_trial`), and the trials tell the sweep when their workers are placed
+through a progress board (a named Ray actor): the launcher writes the board's name into each
+job's Hydra config (``hydra.launcher.board``, beside ``hydra.job.num``, the job's key on it), and
+the task function reads it back with :func:`board_slot`. Another app's job counts as running once
+its Ray task starts. The plugin shim in ``hydra_plugins/ray_launcher`` calls :func:`launch_jobs`.
 
 Ray is imported inside the functions: composing or validating a config never imports it.
 """
@@ -14,12 +16,13 @@ Ray is imported inside the functions: composing or validating a config never imp
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import sys
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,6 +47,16 @@ class _Board:
         return set(self._placed)
 
 
+# the launcher's class, under each of its names (hydra/launcher=ray_trials, and ray where free)
+LAUNCHER = "hydra_plugins.ray_launcher.ray_launcher.RayLauncher"
+
+
+def is_ray_job(hydra_cfg: Any) -> bool:
+    """Whether this launcher started the job of ``hydra_cfg`` (``HydraConfig.get()``), whichever
+    name selected it; not Hydra's own ``ray`` launcher where that is installed."""
+    return OmegaConf.select(hydra_cfg, "launcher._target_") == LAUNCHER
+
+
 def board_slot(hydra_cfg: Any) -> Optional[BoardSlot]:
     """This job's slot on its sweep's progress board, from the job's Hydra config
     (``HydraConfig.get()``); None for a job this launcher did not start."""
@@ -51,12 +64,18 @@ def board_slot(hydra_cfg: Any) -> Optional[BoardSlot]:
     return BoardSlot(str(board), int(hydra_cfg.job.num)) if board else None
 
 
-def _run_job(hydra_context: Any, task_function: Any, config: DictConfig, singleton_state: Any, cwd: str) -> Any:
-    """One sweep job, in a Ray task on the sweep's node: Hydra's run_job, as the basic launcher
-    would run it (the job's slot on the progress board is in ``config.hydra.launcher``)."""
+def _run_job(
+    hydra_context: Any, task_function: Any, config: DictConfig, singleton_state: Any, cwd: str, board: Any
+) -> Any:
+    """One sweep job, in a Ray task: Hydra's run_job, as the basic launcher would run it, from the
+    driver's working directory where this node has it (the job's slot on the progress board is in
+    ``config.hydra.launcher``; ``board``: mark the job running now, for a job whose task reports
+    nothing)."""
     from hydra.core.singleton import Singleton
     from hydra.core.utils import run_job
 
+    if board is not None:
+        board.place.remote(int(config.hydra.job.num))
     if os.path.isdir(cwd):
         os.chdir(cwd)
     Singleton.set_state(singleton_state)
@@ -75,7 +94,11 @@ def _outcome(ret: Any) -> Tuple[str, str]:
     if ret.status == JobStatus.FAILED:
         err = ret._return_value
         return "crash", error_summary(err)
-    value = ret.return_value if isinstance(ret.return_value, dict) else {}
+    value = ret.return_value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        # an objective for a sweeper (optimized_metric): +-inf stands for a trial that did not finish
+        return ("finished", f"{value:.6g}") if math.isfinite(value) else ("failed", "no objective value")
+    value = value if isinstance(value, dict) else {}
     return str(value.get("status", "finished")), str(value.get("reason") or value.get("run_id") or "")
 
 
@@ -109,9 +132,65 @@ class _SweepBar:
             self._bar.close()
 
 
+def cluster_settings(settings: Mapping[str, Any], config: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Where a sweep runs, as :func:`orchestrator.ray_trial.cluster` takes it: ``(ray_cfg, init)``
+    from the launcher's ``settings`` (``hydra.launcher``) and the task ``config``, whose
+    ``launch.ray`` section (this application's; another app has none) fills what they leave unset."""
+    app = _section(config, "launch.ray")
+    init = _plain(settings.get("init"))
+    address = settings.get("address") or init.pop("address", None) or app.get("address")
+    ray_cfg = {
+        "address": address,  # none: $RAY_ADDRESS, else a local cluster (ray_trial.cluster_address)
+        "num_cpus": init.pop("num_cpus", app.get("num_cpus")),
+        "dashboard": init.pop("include_dashboard", app.get("dashboard", True)),
+    }
+    return ray_cfg, init
+
+
+def job_options(settings: Mapping[str, Any], config: Any) -> Dict[str, Any]:
+    """The Ray task options of each job from ``hydra.launcher.job_resources``: this application's
+    jobs hold no CPU unless told (their trials' workers hold the devices), another app's one."""
+    held = _plain(settings.get("job_resources"))
+    num_cpus = held.get("num_cpus")
+    if num_cpus is None:
+        num_cpus = 0 if _section(config, "launch.ray") else 1
+    options = {"num_cpus": num_cpus, "num_gpus": held.get("num_gpus") or 0}
+    if held.get("resources"):
+        options["resources"] = dict(held["resources"])
+    return options
+
+
+def _section(config: Any, key: str) -> Dict[str, Any]:
+    found = OmegaConf.select(config, key) if OmegaConf.is_config(config) else None
+    return _plain(found)
+
+
+def _plain(node: Any) -> Dict[str, Any]:
+    if node is None:
+        return {}
+    return dict(OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node)
+
+
 def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> List[Any]:
-    """Submit every job of the batch to Ray at once; each runs when its trial's devices are free.
-    ``launcher`` is the Hydra launcher (its config, Hydra context and task function)."""
+    """Submit every job of the batch to Ray at once; each runs when what it holds is free.
+    ``launcher`` is the Hydra launcher (its settings, config, Hydra context and task function).
+
+    Precedence of the settings, key by key (the first that is set wins):
+
+    - the cluster: ``hydra.launcher.address``, ``hydra.launcher.init.address`` (as Hydra's own Ray
+      launcher spells it), the task config's ``launch.ray.address``, ``$RAY_ADDRESS``; none of
+      them: a new local cluster, which stops when the multirun's process exits;
+    - a local cluster's size and dashboard: ``hydra.launcher.init.num_cpus`` /
+      ``init.include_dashboard``, the task config's ``launch.ray.num_cpus`` / ``launch.ray.dashboard``,
+      all of the machine's CPUs and a dashboard on 127.0.0.1; every other ``hydra.launcher.init.*``
+      key goes to ``ray.init`` as it is (a ``runtime_env`` is merged over the one that ships this
+      checkout to a joined cluster);
+    - what each job's Ray task holds: ``hydra.launcher.job_resources`` (``num_cpus`` null: 0 when
+      the task config has a ``launch.ray`` section, this application's, else 1), on the driver's
+      node unless ``hydra.launcher.same_node=false``;
+    - the jobs' environment: the driver's variables named by the task config's
+      ``launch.env_prefixes`` (none for another app), and ``RAY_ADDRESS`` on a joined cluster.
+    """
     from hydra.core.singleton import Singleton
     from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
     from omegaconf import open_dict, read_write
@@ -123,6 +202,7 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
         started()
     setup_globals()
     config = launcher.config
+    settings = getattr(launcher, "settings", None) or {}
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     board_name = f"sweep-board-{uuid.uuid4().hex[:12]}"
@@ -137,33 +217,36 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
             job_cfg.hydra.launcher.board = board_name  # this job's key on it is hydra.job.num
         jobs.append((idx, list(overrides), job_cfg))
 
+    ray_cfg, init = cluster_settings(settings, config)
+    ours = bool(_section(config, "launch.ray"))
     # the cluster lives as long as the multirun (a sweeper may send several batches)
-    with cluster(config.launch.ray, keep=True):
+    with cluster(ray_cfg, keep=True, init=init):
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         board = on_this_node(_Board, name=board_name)
-        # the jobs' own processes hold no devices (their trials' workers do) and stay on this node,
-        # beside the sweep's files and MLflow store; a job is never re-run (it would record twice)
-        # the driver's exported variables (launch.env_prefixes) travel with the jobs to their trials
-        env = worker_env({}, list(config.launch.env_prefixes))
-        if cluster_address(config.launch.ray):  # a joined cluster: its trials know they run on one
-            env["RAY_ADDRESS"] = str(cluster_address(config.launch.ray))
-        run = ray.remote(_run_job).options(
-            num_cpus=0,
-            max_retries=0,
-            runtime_env={"env_vars": env} if env else None,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        )
+        # a job is never re-run (it would record twice); this application's jobs stay beside the
+        # sweep's files and MLflow store, and the driver's exported variables (launch.env_prefixes)
+        # travel with them to their trials
+        env = worker_env({}, list(OmegaConf.select(config, "launch.env_prefixes", default=None) or ()))
+        address = cluster_address(ray_cfg)
+        if address:  # a joined cluster: the jobs' trials know they run on one
+            env["RAY_ADDRESS"] = str(address)
+        options = job_options(settings, config)
+        if settings.get("same_node", True):
+            here = ray.get_runtime_context().get_node_id()
+            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
+        run = ray.remote(_run_job).options(max_retries=0, runtime_env={"env_vars": env} if env else None, **options)
         resources = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "NPU")}
-        log.info(
-            "Ray launcher: %d trial(s) on a cluster of %s; sweep dir %s", len(jobs), resources, config.hydra.sweep.dir
-        )
+        sweep_dir = config.hydra.sweep.dir
+        log.info("Ray launcher: %d job(s) on a cluster of %s; sweep dir %s", len(jobs), resources, sweep_dir)
         state = Singleton.get_state()
         pending = {}
         for idx, overrides, job_cfg in jobs:
             log.info("\t#%d : %s", idx, " ".join(filter_overrides(overrides)))
-            ref = run.remote(launcher.hydra_context, launcher.task_function, job_cfg, state, os.getcwd())
+            ref = run.remote(
+                launcher.hydra_context, launcher.task_function, job_cfg, state, os.getcwd(), None if ours else board
+            )
             pending[ref] = (idx, overrides, job_cfg)
         results: Dict[int, Any] = {}
         counts = {"done": 0, "failed": 0}

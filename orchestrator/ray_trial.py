@@ -115,19 +115,22 @@ class BoardSlot:
 
 
 @contextlib.contextmanager
-def cluster(ray_cfg: Any, keep: bool = False) -> Iterator[None]:
+def cluster(ray_cfg: Any, keep: bool = False, init: Optional[Dict[str, Any]] = None) -> Iterator[None]:
     """Connect to the cluster at :func:`cluster_address`, or start a local one (dashboard on
     127.0.0.1 only); a cluster started here stops on leaving, unless ``keep`` (then it stops when
-    this process exits). Inside a Ray task or actor this is a no-op."""
+    this process exits). ``init``: more ``ray.init`` keyword arguments, which win over these (a
+    ``runtime_env`` is merged over the code's). Inside a Ray task or actor this is a no-op."""
     import ray
 
     if ray.is_initialized():
         yield
         return
     address = cluster_address(ray_cfg)
+    extra = dict(init or {})
     if address:
+        runtime_env = {**(_code_runtime_env() or {}), **(extra.pop("runtime_env", None) or {})}
         try:
-            ray.init(address=address, log_to_driver=True, runtime_env=_code_runtime_env())
+            ray.init(address=address, **{"log_to_driver": True, "runtime_env": runtime_env or None, **extra})
         except ConnectionError as err:
             raise ConnectionError(
                 f"{err} (a cluster started by `ray start` expects a token: export "
@@ -135,13 +138,13 @@ def cluster(ray_cfg: Any, keep: bool = False) -> Iterator[None]:
             ) from None
     else:
         # "local": a new cluster, even where `ray start` left one running on this machine
-        ray.init(
-            address="local",
-            num_cpus=ray_cfg.get("num_cpus"),
-            log_to_driver=True,
-            include_dashboard=bool(ray_cfg.get("dashboard", True)),
-            dashboard_host="127.0.0.1",
-        )
+        local = {
+            "num_cpus": ray_cfg.get("num_cpus"),
+            "log_to_driver": True,
+            "include_dashboard": bool(ray_cfg.get("dashboard", True)),
+            "dashboard_host": "127.0.0.1",
+        }
+        ray.init(address="local", **{**local, **extra})
     try:
         yield
     finally:

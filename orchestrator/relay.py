@@ -65,8 +65,9 @@ class _Relay:
 
 class RelayReporter:
     """Rank 0's reporter when the store is on the driver's node: every call goes to the relay
-    actor and waits for it, so a record is in the store when the call returns (a checkpoint's
-    tag before the next step, the summary before the trial ends). Picklable (an actor handle)."""
+    actor and waits for it, so a record is in the relay's journal and delivery queue when the call
+    returns (a checkpoint's tag before the next step); ``finish`` waits for the queue to reach the
+    store (see :class:`orchestrator.tracking.MlflowReporter`). Picklable (an actor handle)."""
 
     def __init__(self, actor: Any):
         self.actor = actor

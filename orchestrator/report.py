@@ -13,7 +13,6 @@ per candidate value, each repeat a dot) and ``loss_curves.png`` (baseline and fi
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -22,7 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator import results, tracking
+from orchestrator import cli, results, tracking
 from orchestrator.results import Point, fmt
 
 REPORT = "tuning_report"
@@ -103,9 +102,29 @@ def markdown(data: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(fig: Any, path: Path) -> bool:
+    """Write a figure (None: there was nothing to plot) as a PNG; whether one was written."""
+    if fig is None:
+        return False
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def _plot_variable(data: Dict[str, Any], key: str, path: Path) -> bool:
+    return _save(_variable_figure(data, key), path)
+
+
+def _plot_losses(curves: Dict[str, List[float]], path: Path) -> bool:
+    return _save(_losses_figure(curves), path)
+
+
+def _variable_figure(data: Dict[str, Any], key: str) -> Any:
     """The objective per value of one variable: each repeat a dot, the median a bar; an OVAT
-    step's incumbent first, in gray; the adopted value in green; a point that did not run, in red."""
+    step's incumbent first, in gray; the adopted value in green; a point that did not run, in red.
+    None when no row has the variable."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -114,7 +133,7 @@ def _plot_variable(data: Dict[str, Any], key: str, path: Path) -> bool:
     # a grid's per-variable view is its one-variable slices through the baseline
     rows = [r for r in data.get("variable_rows") or data["rows"] if r["variable"] == key]
     if not rows:
-        return False
+        return None
     columns = []  # (label, values, median, color, status)
     seen_refs = set()
     for r in rows:
@@ -146,12 +165,10 @@ def _plot_variable(data: Dict[str, Any], key: str, path: Path) -> bool:
     ax.set_ylabel(data["objective"])
     ax.set_title(f"{key} ({data['direction']})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return fig
 
 
-def _plot_losses(curves: Dict[str, List[float]], path: Path) -> bool:
+def _losses_figure(curves: Dict[str, List[float]]) -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -159,7 +176,7 @@ def _plot_losses(curves: Dict[str, List[float]], path: Path) -> bool:
 
     curves = {k: v for k, v in curves.items() if v}
     if not curves:
-        return False
+        return None
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, losses in curves.items():
         ax.plot(range(len(losses)), [v if math.isfinite(v) else float("nan") for v in losses], label=label)
@@ -168,9 +185,7 @@ def _plot_losses(curves: Dict[str, List[float]], path: Path) -> bool:
     ax.set_title("loss curves: baseline and finalists", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return fig
 
 
 def render(data: Dict[str, Any], out_dir: Path | str) -> List[Path]:
@@ -192,11 +207,55 @@ def render(data: Dict[str, Any], out_dir: Path | str) -> List[Path]:
     return [md, js, *(out / p for p in plots)]
 
 
+PLOTS = "plots"  # the artifact folder of the report's figures on its run
+
+
+def _figures(data: Dict[str, Any]) -> Dict[str, Any]:
+    """The report's plots by file name (as :func:`render` names them), each a function drawing it."""
+    out: Dict[str, Any] = {
+        f"objective_{_slug(v['key'])}.png": (_variable_figure, data, v["key"]) for v in data["variables"]
+    }
+    out["loss_curves.png"] = (_losses_figure, data.get("curves") or {})
+    return out
+
+
+def artifact_links(md: str, run_id: str, plots: List[str]) -> str:
+    """The report's markdown with each plot's image linked where MLflow's UI can show it.
+
+    The UI's markdown view (``ShowArtifactMarkdownView.tsx``, rendering with
+    ``GenAIMarkdownRenderer.tsx`` in mlflow/server/js/src) resolves an image's relative URL against
+    the UI's own page, not the artifact's folder, and prints ``./``, ``../`` and ``/`` links as
+    text: a sibling link (what the local copy has) shows nothing there. The link used is the one
+    the UI's own image view fetches an artifact from, ``get-artifact?path=...&run_uuid=...``
+    (``getArtifactLocationUrl`` in ``common/utils/ArtifactUtils.ts``), relative to the UI's root,
+    so it holds for any host, port and static prefix."""
+    from urllib.parse import quote
+
+    for name in plots:
+        url = f"get-artifact?path={quote(f'{PLOTS}/{name}', safe='')}&run_uuid={run_id}"
+        md = md.replace(f"]({name})", f"]({url})")
+    return md
+
+
 def attach(uri: str, run_id: str, files: List[Path], data: Dict[str, Any]) -> None:
-    """Put the report on the sweep's parent run: the files, the final config, headline figures."""
+    """Put the report on the sweep's parent run: the JSON and the markdown (its images linked for
+    MLflow's UI, :func:`artifact_links`) at the top, each plot as a figure under ``plots/``
+    (``MlflowClient.log_figure``), the final config, headline figures."""
+    import matplotlib.pyplot as plt
+
     c = tracking.client(uri)
+    figures = _figures(data)
+    plots = [f.name for f in files if f.suffix == ".png"]
     for f in files:
-        c.log_artifact(run_id, str(f), None if f.suffix != ".png" else "plots")
+        if f.suffix == ".md":
+            c.log_text(run_id, artifact_links(f.read_text(), run_id, plots), f.name)
+        elif f.suffix == ".png" and f.name in figures:
+            draw, *args = figures[f.name]
+            fig = draw(*args)
+            c.log_figure(run_id, fig, f"{PLOTS}/{f.name}", save_kwargs={"dpi": 100})
+            plt.close(fig)
+        else:
+            c.log_artifact(run_id, str(f), PLOTS if f.suffix == ".png" else None)
     final = data["final"]
     c.set_tag(run_id, "tuning.final_overrides", " ".join(final["overrides"])[:5000])
     c.set_tag(run_id, "tuning.command", final["command"][:5000])
@@ -243,10 +302,18 @@ def _assignment(overrides: List[str]) -> "OrderedDict[str, str]":
 
 
 def from_trials(
-    uri: str, experiment: str, sweep_id: str, objective: str, direction: str, min_speedup: float, loss_band: float
+    uri: str,
+    experiment: str,
+    sweep_id: str,
+    objective: str,
+    direction: str,
+    min_speedup: float,
+    loss_band: float,
+    filter_string: Optional[str] = None,
 ) -> Dict[str, Any]:
-    """The report of any sweep, read from its trial runs (launch order; the first is the baseline)."""
-    runs = results.search(uri, experiment, results.tag_filter(sweep=sweep_id))
+    """The report of any sweep, read from its trial runs (launch order; the first is the baseline);
+    only the trials that match ``filter_string`` (an MLflow filter) too, when given."""
+    runs = results.search(uri, experiment, cli.build_filter(filter_string, sweep=sweep_id))
     runs.sort(key=lambda r: r.info.start_time)
     groups: "OrderedDict[str, List[Any]]" = OrderedDict()
     for r in runs:
@@ -383,40 +450,53 @@ def _stored(uri: str, run_id: str) -> Optional[Dict[str, Any]]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m orchestrator.report", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--experiment", default="default", help="MLflow experiment (default: default)")
+    ap = cli.parser("orchestrator.report", __doc__.split("\n\n")[0])
+    cli.add_tracking_args(ap)
     ap.add_argument("--sweep", help="sweep id or parent run id (default: the experiment's newest sweep)")
-    ap.add_argument("--tracking-uri", help="default: $MLFLOW_TRACKING_URI, else sqlite:///mlruns.db here")
+    cli.add_filter_arg(ap)
     ap.add_argument("--out", help="folder for the report (default: reports/<sweep id>)")
     ap.add_argument("--objective", default="step_time_median_s", help="for sweeps without a stored report")
     ap.add_argument("--direction", default="minimize", choices=results.DIRECTIONS)
     ap.add_argument("--min-speedup", type=float, default=1.02)
     ap.add_argument("--loss-band", type=float, default=0.05)
-    ap.add_argument("--attach", action="store_true", help="also log the report on the sweep's parent run")
+    cli.add_json_arg(ap, "the report (what tuning_report.json holds, and the files written)")
+    cli.add_log_arg(ap, "the sweep's parent run")
     args = ap.parse_args(argv)
-    uri = tracking.resolve_uri({"uri": args.tracking_uri})
+    uri = cli.tracking_uri(args.tracking_uri)
+    why = cli.check_filter(args.filter) or cli.experiment_error(uri, args.experiment)
+    if why:
+        return cli.bad_input(why)
     parent = find_parent(uri, args.experiment, args.sweep)
     if parent is None:
-        what = f"sweep {args.sweep}" if args.sweep else "no sweep"
-        print(f"error: --experiment={args.experiment}: {what} found in {uri}", file=sys.stderr)
-        return 2
+        what = f"no sweep {args.sweep}" if args.sweep else "no sweep"
+        return cli.no_match(f"--experiment={args.experiment}: {what} in {uri}")
     sweep_id = parent.data.tags["sweep"]
-    data = _stored(uri, parent.info.run_id)
+    # a stored (OVAT) report is the study's own record; --filter asks for the matching trials instead
+    data = None if args.filter else _stored(uri, parent.info.run_id)
     if data is None:
         try:
             data = from_trials(
-                uri, args.experiment, sweep_id, args.objective, args.direction, args.min_speedup, args.loss_band
+                uri,
+                args.experiment,
+                sweep_id,
+                args.objective,
+                args.direction,
+                args.min_speedup,
+                args.loss_band,
+                args.filter,
             )
         except LookupError as err:
-            print(f"error: --sweep={sweep_id}: {err}", file=sys.stderr)
-            return 2
+            return cli.no_match(f"--sweep={sweep_id}: {err}" + (f" and --filter={args.filter}" if args.filter else ""))
     out = Path(args.out or Path("reports") / sweep_id)
     files = render(data, out)
-    if args.attach:
+    if args.log:
         attach(uri, parent.info.run_id, files, data)
-    print(files[0].read_text())
-    print(f"report: {files[0]} ({len(files) - 2} plot(s) beside it)")
-    return 0
+    if args.json:
+        print(json.dumps({**data, "files": [str(f) for f in files]}, indent=1, default=str))
+    else:
+        print(files[0].read_text())
+        print(f"report: {files[0]} ({len(files) - 2} plot(s) beside it)")
+    return cli.EXIT_OK
 
 
 if __name__ == "__main__":

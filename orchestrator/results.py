@@ -207,7 +207,13 @@ def overrides_of(uri: str, run: Any) -> List[str]:
 
 
 def command(overrides: Iterable[str]) -> str:
-    """The shell command that runs these overrides as one trial."""
+    """The shell command that runs these overrides as one trial. A sweep preset (``+sweep=``)
+    sets multirun itself, so the command says ``hydra.mode=RUN`` beside it."""
+    overrides = list(overrides)
+    if any(o.lstrip("+~").startswith("sweep=") for o in overrides) and not any(
+        o.startswith("hydra.mode=") for o in overrides
+    ):
+        overrides.append("hydra.mode=RUN")
     return " ".join(["python", "-m", "orchestrator", *(shlex.quote(o) for o in overrides)])
 
 

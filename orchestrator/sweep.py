@@ -2,7 +2,9 @@
 
 :class:`SweepCallback` is a Hydra callback (``hydra.callbacks.sweep`` in ``conf/config.yaml``),
 so both launchers get it. At the start of a multirun it creates the parent run: tag ``sweep``
-(the sweep id), the sweep's overrides as params and as ``overrides.txt``. Around each job it tells
+(the sweep id), the sweep's overrides as params and as ``overrides.txt``, a description with the
+command that runs the sweep again (at its end, the counts of its trials). A store that cannot be
+used stops the multirun before anything runs (one line naming ``tracking.uri``). Around each job it tells
 the trial which sweep it belongs to (the trial tags its run ``sweep`` and ``mlflow.parentRunId``,
 see :func:`child_tags`) and afterwards logs the sweep's progress on the parent: metrics
 ``trials_done``, ``trials_failed``, ``trials_running``, ``trials_reused``. At the end it closes
@@ -158,7 +160,7 @@ def start_sweep(config: DictConfig) -> Dict[str, str]:
     """Create the sweep's parent run; returns what its jobs need to know of it."""
     from mlflow.entities import Param
 
-    uri = tracking.resolve_uri(config.tracking)
+    uri = tracking.check_store(config.tracking)
     experiment = str(config.tracking.experiment)
     exp = tracking.experiment_id(uri, experiment, config.tracking.artifact_location)
     sweep_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -172,6 +174,8 @@ def start_sweep(config: DictConfig) -> Dict[str, str]:
         "sweep.sweeper": str(choices.get("hydra/sweeper", "")),
         "sweep.dir": str(hydra.sweep.dir),
         "mlflow.runName": f"sweep {' '.join(overrides)}"[:250],
+        tracking.NOTE_TAG: tracking.run_note(overrides, f"sweep {sweep_id}", multirun=True)[: tracking.MAX_TAG_VALUE],
+        **tracking.source_tags(),
     }
     c = tracking.client(uri)
     run = c.create_run(exp, run_name=tags["mlflow.runName"], tags=tags)
@@ -227,16 +231,27 @@ def end_sweep(sweep: Dict[str, Any], status: str = "finished", reason: str = "")
             if r.info.status == "RUNNING":
                 tracking.end_run(sweep["uri"], r.info.run_id, trial_status, f"the sweep's driver ended: {reason}")
     counts = log_progress(sweep)
-    c.set_tag(sweep["parent_run_id"], "sweep.status", status)
-    if reason:
-        c.set_tag(sweep["parent_run_id"], "sweep.reason", reason[:5000])
-    c.set_terminated(sweep["parent_run_id"], RUN_STATUS[status])
     reused = f", {counts['trials_reused']} reused (finished before)" if counts["trials_reused"] else ""
     line = f"sweep {sweep['id']}: {counts['trials_done']} finished, {counts['trials_failed']} failed{reused}"
+    parent = sweep["parent_run_id"]
+
+    def _end() -> None:
+        from mlflow.entities import RunTag
+
+        note = c.get_run(parent).data.tags.get(tracking.NOTE_TAG, "")
+        result = f"**{status}**: {line.split(': ', 1)[1]}" + (f"\n\n{reason}" if reason else "")
+        tags = {"sweep.status": status, tracking.NOTE_TAG: tracking.with_result(note, result)}
+        if reason:
+            tags["sweep.reason"] = reason[:5000]
+        c.log_batch(parent, tags=[RunTag(k, v) for k, v in tags.items()])
+        c.set_terminated(parent, RUN_STATUS[status])
+
+    tracking.retrying(_end, f"sweep {sweep['id']}: its end")
     if status == "finished":
         log.info(line)
     else:
         log.warning("%s; %s: %s", line, status, reason)
+    tracking.show_ui(sweep["uri"], parent, sweep["experiment_id"])
 
 
 def _last_line(err: BaseException) -> str:
@@ -256,7 +271,13 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.tracking.enabled:
-            self.sweep = start_sweep(config)
+            try:
+                self.sweep = start_sweep(config)
+            except tracking.StoreUnreachable as err:
+                # Hydra turns a callback's exception into a warning and launches the jobs anyway:
+                # stop as a broken config stops (one error line, exit code 2, nothing launched)
+                print(f"error: {err}", file=sys.stderr)
+                raise SystemExit(2) from None
             self.pid = os.getpid()
             atexit.register(self._driver_exits)
             if threading.current_thread() is threading.main_thread():

@@ -1,7 +1,10 @@
 """One trial, end to end: resolve the chip, validate, record in MLflow, launch, record the end.
 
-Nothing is launched and no MLflow run is created for a config that breaks a rule; a trial that
-fails after launch ends with its classified status and reason in MLflow.
+Nothing is launched and no MLflow run is created for a config that breaks a rule, or when the
+tracking store cannot be used (``tracking.uri``: a server that does not answer, a sqlite file whose
+directory cannot be made); a trial that fails after launch ends with its classified status and
+reason in MLflow. A store that goes away during the trial fails nothing: rank 0's records wait in
+a journal next to the trial's output until the store is back (see ``orchestrator.tracking``).
 
 A composed config is resolved once (:func:`resolve`: chip resolved, rules checked, layout worked
 out, launch path decided) into a :class:`ResolvedTrial`; the steps after it take their sections
@@ -111,11 +114,15 @@ def record_infeasible(
     status: str = "infeasible",
     preflight: Optional[Dict[str, Any]] = None,
     lay: Optional[Layout] = None,
-) -> str:
+) -> Optional[str]:
     """A trial that cannot run still gets a run, with its status and the reasons; not launched.
-    ``lay``: its layout when already worked out."""
+    ``lay``: its layout when already worked out. None (a warning) when the store cannot be used."""
     tags = trial_tags(cfg, lay) if not OmegaConf.is_missing(cfg.chip, "name") else {}
     tags.update(sweep.child_tags(cfg.tracking))
+    why = tracking.store_problem(tracking.resolve_uri(cfg.tracking))
+    if why:  # nowhere to record it: say so instead of waiting on the store
+        log.warning("not recorded (%s: %s): %s", tracking.resolve_uri(cfg.tracking), why, "; ".join(errors))
+        return None
     uri, run_id = tracking.start_run(cfg, overrides, tags)
     if preflight is not None:
         _log_preflight(uri, run_id, preflight)
@@ -178,6 +185,18 @@ def check(cfg: DictConfig) -> Dict[str, Any]:
     }
 
 
+def _journal(run_id: str) -> str:
+    """Where rank 0's reporter journals its records (``orchestrator.tracking.MlflowReporter``):
+    next to the trial's output, the job's Hydra output folder (else the working directory)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        base = Path(HydraConfig.get().runtime.output_dir)
+    except (ImportError, ValueError):  # not a Hydra job (a test, a notebook)
+        base = Path.cwd()
+    return str(base / f"mlflow_journal_{run_id}.jsonl")
+
+
 def _checkpoint_dir(cfg: DictConfig, run_id: str) -> str:
     """The trial's checkpoint folder, shared by its ranks and by its restarted worker groups.
     Unset: ``./checkpoints/<run id>``. Set, for one trial: that folder itself (the same command
@@ -222,9 +241,15 @@ def start(
     """Validate, preflight and record one trial, up to the launch; both launch paths share it.
     ``launcher`` decides the launch path as in :func:`resolve`.
 
-    Raises ConfigError (before anything is launched or recorded) for a broken config.
+    Raises ConfigError (before anything is launched or recorded) for a broken config, and for a
+    tracking store that cannot be used.
     """
     resolved = resolve(cfg, launcher)
+    if cfg.tracking.enabled:
+        try:
+            tracking.check_store(cfg.tracking)
+        except tracking.StoreUnreachable as err:
+            raise ConfigError([str(err)]) from None
     overrides = list(overrides)
     lay = resolved.layout
     report = _preflight(cfg)
@@ -241,7 +266,7 @@ def start(
     if cfg.tracking.enabled:
         uri, run_id = tracking.start_run(cfg, overrides, {**trial_tags(cfg, lay), **sweep.child_tags(cfg.tracking)})
         result["run_id"] = run_id
-        reporter = tracking.MlflowReporter(uri, run_id, int(cfg.trainer.steps), progress)
+        reporter = tracking.MlflowReporter(uri, run_id, int(cfg.trainer.steps), progress, journal=_journal(run_id))
         tracking.log_metrics(uri, run_id, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "world_size": lay.world_size})
         _log_preflight(uri, run_id, report)
     if cfg.trainer.checkpoint_every > 0:
@@ -283,8 +308,9 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
         # a KeyboardInterrupt, or torch's SignalException for SIGINT/SIGTERM
         interrupted = isinstance(err, KeyboardInterrupt) or getattr(err, "sigval", None) in interrupts
         result.update(status=tracking.STATUS_KILLED if interrupted else "crash", reason=f"{type(err).__name__}: {err}")
-        if reporter is not None:
-            tracking.end_run(reporter.uri, reporter.run_id, result["status"], result["reason"])
+        if reporter is not None:  # what rank 0 left undelivered stays in its journal
+            tags = _undelivered(reporter)
+            tracking.end_run(reporter.uri, reporter.run_id, result["status"], result["reason"], tags=tags)
         if interrupted and not isinstance(err, KeyboardInterrupt):
             # one kind of interrupt for the driver: the sweep stops, and its parent run ends KILLED
             raise KeyboardInterrupt(str(err)) from None
@@ -294,8 +320,23 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
             if handler is not None:
                 signal.signal(signum, handler)
     if reporter is not None:
-        tracking.end_run(reporter.uri, reporter.run_id, result["status"], result.get("reason", ""))
+        tags = _undelivered(reporter, deliver=True)
+        tracking.end_run(
+            reporter.uri, reporter.run_id, result["status"], result.get("reason", ""), result.get("summary"), tags
+        )
     return result
+
+
+def _undelivered(reporter: tracking.MlflowReporter, deliver: bool = False) -> Dict[str, str]:
+    """Records rank 0 left in its journal (its process died, or the store stayed away past its
+    wait): delivered now when ``deliver``; what is still left is tagged on the run."""
+    journal = reporter.journal
+    if not journal or not Path(journal).exists():
+        return {}
+    if deliver and tracking.deliver_journal(journal):
+        return {}
+    log.warning("run %s: records the store has not got are kept in %s", reporter.run_id, journal)
+    return {tracking.UNDELIVERED_TAG: journal}
 
 
 def _log_memory_check(reporter: Optional[tracking.MlflowReporter], result: Dict[str, Any]) -> None:
@@ -308,7 +349,13 @@ def _log_memory_check(reporter: Optional[tracking.MlflowReporter], result: Dict[
         return
     result["summary"]["mem_plan_ratio"] = planned / reserved
     if reporter is not None:
-        tracking.log_metrics(reporter.uri, reporter.run_id, {"mem_plan_ratio": planned / reserved})
+        try:
+            tracking.retrying(
+                lambda: tracking.log_metrics(reporter.uri, reporter.run_id, {"mem_plan_ratio": planned / reserved}),
+                f"run {reporter.run_id}: mem_plan_ratio",
+            )
+        except Exception as err:  # noqa: BLE001 - a derived figure: the trial itself finished
+            log.warning("run %s: mem_plan_ratio not recorded: %s", reporter.run_id, err)
 
 
 def launch_path(resolved: ResolvedTrial, slot: Optional[BoardSlot] = None) -> LaunchFn:
@@ -333,6 +380,7 @@ def run(
     Raises ConfigError (before anything is launched or recorded) for a broken config.
     """
     trial = start(cfg, overrides, progress, launcher)
-    if trial.spec is None:
-        return trial.result
-    return finish(trial, launch_path(trial.resolved, slot))
+    result = trial.result if trial.spec is None else finish(trial, launch_path(trial.resolved, slot))
+    if result.get("run_id") and sweep.current() is None:  # where to look; a sweep says it once, at its end
+        tracking.show_ui(tracking.resolve_uri(cfg.tracking), result["run_id"])
+    return result

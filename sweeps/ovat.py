@@ -64,6 +64,7 @@ class Study:
     loss_band: float = 0.05
     passes: int = 1
     resume: bool = True
+    space: str = "params"  # the sweeper key the variables came from (params, or its alias variables)
 
     def overrides(self, assignment: Dict[str, str]) -> List[str]:
         return [*self.fixed, *(f"{k}={v}" for k, v in assignment.items())]
@@ -87,13 +88,21 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
     """
     errors: List[str] = []
     variables: "OrderedDict[str, List[str]]" = OrderedDict()
-    for key, cands in (spec.get("variables") or {}).items():
+    space, where = spec.get("params") or {}, "params"
+    if spec.get("variables"):
+        if space and dict(space) != dict(spec["variables"]):
+            errors.append(
+                f"{PREFIX}.variables: an alias of {PREFIX}.params, and both are given with different "
+                "variables; give the search space in one of them"
+            )
+        space, where = spec["variables"], "variables"
+    for key, cands in space.items():
         if isinstance(cands, str):
             try:
                 (ov,) = parser.parse_overrides([f"{key}={cands}"])
                 values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.get_value_element_as_str()]
             except Exception as err:  # noqa: BLE001 - a grammar error, reported with its key
-                errors.append(f"{PREFIX}.variables.{key}={cands}: {str(err).splitlines()[0]}")
+                errors.append(f"{PREFIX}.{where}.{key}={cands}: {str(err).splitlines()[0]}")
                 continue
         elif isinstance(cands, (list, tuple)):
             values = [_as_override_value(c) for c in cands]
@@ -118,12 +127,12 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
         unique = list(OrderedDict.fromkeys(values))
         if len(unique) < 2:
             errors.append(
-                f"{PREFIX}.variables.{key}: needs at least two candidates (the first is the baseline), got {values}"
+                f"{PREFIX}.{where}.{key}: needs at least two candidates (the first is the baseline), got {values}"
             )
         variables[key] = unique
     if not variables and not errors:
         errors.append(
-            f"{PREFIX}.variables: the study has no variables; give them in a +sweep preset or as "
+            f"{PREFIX}.params: the study has no variables; give them in a +sweep preset or as "
             "KEY=a,b,c on the command line"
         )
     study = Study(
@@ -137,6 +146,7 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
         loss_band=float(spec.get("loss_band", 0.05)),
         passes=int(spec.get("passes", 1)),
         resume=bool(spec.get("resume", True)),
+        space=where,
     )
     if not study.objective:
         errors.append(f"{PREFIX}.objective: empty; name a metric every trial logs (e.g. step_time_median_s)")
@@ -525,7 +535,7 @@ def _check_composes(study: Study, runner: Runner) -> None:
                 runner.compose(study.overrides({**base, key: v}))
             except Exception as err:  # noqa: BLE001 - Hydra's composition errors, reported per key
                 msg = " ".join(str(err).split("Config search path")[0].split())
-                errors.append(f"{PREFIX}.variables.{key}: candidate {v!r} does not compose: {msg[:300]}")
+                errors.append(f"{PREFIX}.{study.space}.{key}: candidate {v!r} does not compose: {msg[:300]}")
     if errors:
         _fail_study(errors, runner.info)
 

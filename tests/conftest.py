@@ -85,7 +85,7 @@ def cli_in_process(args, cwd, monkeypatch, capfd, **env):
     return code, out, err
 
 
-def search_runs(uri: str, experiment: str = "default"):
+def search_runs(uri: str, experiment: str = "orchestrator"):
     import mlflow
 
     mlflow.set_tracking_uri(uri)

@@ -35,7 +35,7 @@ def _trials(uri):
 def test_report_of_a_grid_sweep(store, tmp_path):
     root, uri = store
     out = tmp_path / "report"
-    assert report.main(["--experiment", "default", "--tracking-uri", uri, "--out", str(out)]) == 0
+    assert report.main(["--experiment", "orchestrator", "--tracking-uri", uri, "--out", str(out)]) == 0
     data = json.loads((out / "tuning_report.json").read_text())
     assert data["kind"] == "grid" and [v["key"] for v in data["variables"]] == ["trainer.micro_batch", "trainer.lr"]
     rows = data["rows"]
@@ -69,7 +69,7 @@ def test_best_picks_the_fastest_sound_run_and_its_command_reproduces_it(store, t
     for r in [crashed, *diverging]:
         client.log_metric(r.info.run_id, "step_time_median_s", 1e-4)
 
-    assert best.main(["--experiment", "default", "--tracking-uri", uri, "--json"]) == 0
+    assert best.main(["--experiment", "orchestrator", "--tracking-uri", uri, "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert got["run_id"] == expected.info.run_id and got["objective"] == "step_time_median_s"
     assert got["value"] == pytest.approx(expected.data.metrics["step_time_median_s"])
@@ -79,12 +79,19 @@ def test_best_picks_the_fastest_sound_run_and_its_command_reproduces_it(store, t
     assert crashed.info.run_id not in {e["run_id"] for e in got["excluded"]}  # not finished: never considered
 
     # a table by default; filters narrow the runs
-    assert best.main(["--experiment", "default", "--tracking-uri", uri, "--sweep", expected.data.tags["sweep"]]) == 0
+    assert (
+        best.main(["--experiment", "orchestrator", "--tracking-uri", uri, "--sweep", expected.data.tags["sweep"]]) == 0
+    )
     table = capsys.readouterr().out
     assert expected.info.run_id[:12] in table and got["command"] in table and "2 diverged run(s) left out" in table
-    assert best.main(["--experiment", "default", "--tracking-uri", uri, "--model", "gpt_mini"]) == 1
+    # nothing matched is 3, bad input 2 (orchestrator.cli); --filter is an MLflow filter on top
+    assert best.main(["--experiment", "orchestrator", "--tracking-uri", uri, "--model", "gpt_mini"]) == 3
     assert best.main(["--experiment", "nope", "--tracking-uri", uri]) == 2
+    assert best.main(["--tracking-uri", uri, "--filter", "params.`trainer.lr` = '0.3'"]) == 3  # both diverged
     capsys.readouterr()
+    assert best.main(["--tracking-uri", uri, "--filter", "params.`trainer.micro_batch` = '1'", "--json"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert "trainer.micro_batch=1" in slow["overrides"] and "trainer.lr=0.003" in slow["overrides"]
 
     # the printed command, run as printed, gives the same resolved config (same config hash)
     args = shlex.split(got["command"])[3:]
@@ -92,7 +99,7 @@ def test_best_picks_the_fastest_sound_run_and_its_command_reproduces_it(store, t
     assert again.returncode == 0, again.stderr[-3000:]
     # --write saves it as a Hydra config that +experiment=NAME loads
     path = tmp_path / "experiment" / "fastest.yaml"
-    assert best.main(["--experiment", "default", "--tracking-uri", uri, "--write", str(path)]) == 0
+    assert best.main(["--experiment", "orchestrator", "--tracking-uri", uri, "--write", str(path)]) == 0
     assert "+experiment=fastest" in capsys.readouterr().out
     loaded = run_cli(["--config-dir", str(tmp_path), "+experiment=fastest"], cwd=root)
     assert loaded.returncode == 0, loaded.stderr[-3000:]

@@ -75,7 +75,7 @@ def test_compare_fp32_and_bf16(compose_cfg, mlflow_uri, tmp_path):
             [
                 fp32["run_id"],
                 bf16["run_id"],
-                "--uri",
+                "--tracking-uri",
                 mlflow_uri,
                 "--threshold",
                 str(thr),
@@ -92,7 +92,7 @@ def test_compare_fp32_and_bf16(compose_cfg, mlflow_uri, tmp_path):
         "compare/compare.md",
         "compare/compare_loss.png",
     }
-    assert compare.main(["nope", bf16["run_id"], "--uri", mlflow_uri]) == 2
+    assert compare.main(["nope", bf16["run_id"], "--uri", mlflow_uri]) == 2  # --uri: the old spelling
 
 
 @pytest.mark.parametrize("layout,expect_comm", [("single", False), ("dp2", True)])

@@ -18,8 +18,7 @@ from tests.conftest import ROOT, run_cli, search_runs
 # against one of 8 (8 accumulation steps against 1: a sure win), a learning rate that cannot reach
 # the baseline's loss in 8 steps (the quality gate), a tensor-parallel size that does not divide
 # the model (pruned before launch), and a fault drill that kills rank 0 at step 2 (a crash)
-STUDY = [
-    "-m",
+STUDY = [  # no -m: the preset sets multirun itself
     "+sweep=cpu_smoke",
     "+chip=cpu",
     "trainer.steps=8",
@@ -109,7 +108,9 @@ def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
     # orchestrator.report renders the stored report of a sweep again
     out = tmp_path / "report"
     assert (
-        report.main(["--experiment", "default", "--tracking-uri", uri, "--sweep", tags["sweep"], "--out", str(out)])
+        report.main(
+            ["--experiment", "orchestrator", "--tracking-uri", uri, "--sweep", tags["sweep"], "--out", str(out)]
+        )
         == 0
     )
     assert "trainer.micro_batch" in (out / "tuning_report.md").read_text()
@@ -155,6 +156,36 @@ def test_the_quality_gate_rejects_fast_points_that_lose_quality():
     failed = _point([], [], status="oom")
     failed.reason = "CUDA out of memory"
     assert judge(failed, base, base, study, 1.02) == (False, "oom: CUDA out of memory")
+
+
+def test_the_search_space_is_read_from_params_as_hydra_s_sweepers_do_with_variables_its_alias():
+    parser = OverridesParser.create()
+    space = {"trainer.micro_batch": "2,8", "precision": ["fp32", "bf16"]}
+    goal = {"objective": "final_loss", "direction": "minimize"}
+    for key in ("params", "variables"):
+        study = parse_study({key: space, **goal}, [], parser, "s")
+        assert list(study.variables.items()) == [("trainer.micro_batch", ["2", "8"]), ("precision", ["fp32", "bf16"])]
+        assert study.space == key
+    same = parse_study({"params": space, "variables": dict(space), **goal}, [], parser, "s")
+    assert list(same.variables) == ["trainer.micro_batch", "precision"]
+    with pytest.raises(StudyError) as err:
+        parse_study(
+            {"params": space, "variables": {"precision": "fp32,bf16"}, "objective": "final_loss"}, [], parser, "s"
+        )
+    assert err.value.errors[0].startswith("hydra.sweeper.variables: an alias of hydra.sweeper.params")
+    with pytest.raises(StudyError) as err:
+        parse_study({"params": {"precision": "fp32"}, **goal}, [], parser, "s")
+    assert err.value.errors[0].startswith("hydra.sweeper.params.precision: needs at least two candidates")
+
+
+def test_the_best_command_of_a_study_runs_one_trial():
+    from orchestrator.results import command
+
+    # the preset sets multirun: the reproducing command turns it back into one run
+    assert command(["+sweep=cpu_smoke", "trainer.micro_batch=8"]) == (
+        "python -m orchestrator +sweep=cpu_smoke trainer.micro_batch=8 hydra.mode=RUN"
+    )
+    assert command(["trainer.micro_batch=8"]) == "python -m orchestrator trainer.micro_batch=8"
 
 
 def test_the_study_takes_the_preset_then_the_command_line():
@@ -224,10 +255,10 @@ def test_a_broken_study_exits_2_and_leaves_no_run(tmp_path):
     uri = "sqlite:///" + str(tmp_path / "mlruns.db")
     proc = run_cli(["-m", "+sweep=cpu_smoke", "precision=fp32,fp64"], cwd=tmp_path)
     assert proc.returncode == 2
-    assert "error: hydra.sweeper.variables.precision: candidate 'fp64' does not compose" in proc.stderr
+    assert "error: hydra.sweeper.params.precision: candidate 'fp64' does not compose" in proc.stderr
     assert search_runs(uri) == []  # the sweep's parent run is removed again; no trial was recorded
     proc = run_cli(["-m", "hydra/sweeper=ovat"], cwd=tmp_path)
-    assert proc.returncode == 2 and "error: hydra.sweeper.variables: the study has no variables" in proc.stderr
+    assert proc.returncode == 2 and "error: hydra.sweeper.params: the study has no variables" in proc.stderr
 
 
 class TableRunner:
@@ -321,6 +352,7 @@ def test_a_failed_baseline_ends_the_study_with_nothing_adopted():
 def test_every_sweep_preset_selects_ovat_and_each_candidate_composes(preset):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
 
     from orchestrator import conf_dir
     from orchestrator.config import register_configs
@@ -332,8 +364,9 @@ def test_every_sweep_preset_selects_ovat_and_each_candidate_composes(preset):
             cfg = compose("config", overrides=[f"+sweep={preset}"], return_hydra_config=True)
             sweeper = cfg.hydra.sweeper
             assert sweeper._target_ == "hydra_plugins.ovat_sweeper.ovat_sweeper.OvatSweeper"
-            assert len(sweeper.variables) >= 2 and sweeper.repeats >= 2
-            for key, values in sweeper.variables.items():
+            assert len(sweeper.params) >= 2 and sweeper.repeats >= 2 and not sweeper.variables
+            assert cfg.hydra.mode == RunMode.MULTIRUN  # a study needs no -m
+            for key, values in sweeper.params.items():
                 assert len(values) >= 2, key
                 for v in values:
                     compose("config", overrides=[f"+sweep={preset}", f"{key}={v}"])
@@ -377,7 +410,7 @@ def _compose_preset(overrides):
     try:
         with initialize_config_dir(str(conf_dir()), version_base="1.3"):
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
-            variables = {k: list(v) for k, v in cfg.hydra.sweeper.variables.items()}
+            variables = {k: list(v) for k, v in cfg.hydra.sweeper.params.items()}
             base = {k: str(v[0]).lower() if isinstance(v[0], bool) else str(v[0]) for k, v in variables.items()}
             out = {}
             for key, values in variables.items():

@@ -720,7 +720,7 @@ def test_calibration_from_measured_trials_in_mlflow_predicts_a_held_out_layout(c
     tracking.log_metrics(uri2, other, {"step_time_median_s": 1.0})
     tracking.end_run(uri2, other, "finished")
 
-    trials = planner.measured_trials(uri, "default", chip="cpu")
+    trials = planner.measured_trials(uri, "orchestrator", chip="cpu")
     assert {t.run_id for t in trials} == {run_id, dp2["run_id"]}  # the emulated run measures the host, not the chip
     fit, held = planner.split_by_layout(trials, ["dp2tp1pp1"])
     assert [t.run_id for t in fit] == [run_id] and [t.run_id for t in held] == [dp2["run_id"]]

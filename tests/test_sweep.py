@@ -59,7 +59,7 @@ def test_a_sweeper_finds_its_sweep_through_hydra_s_context():
     callback = sweep.SweepCallback()
     callbacks.callbacks.append(callback)
     assert sweep.active(context) is None  # tracking disabled: no parent run
-    callback.sweep = {"id": "s1", "parent_run_id": "r1", "uri": "sqlite:///x.db", "experiment": "default"}
+    callback.sweep = {"id": "s1", "parent_run_id": "r1", "uri": "sqlite:///x.db", "experiment": "orchestrator"}
     assert sweep.active(context) is callback.sweep
 
 
@@ -147,7 +147,7 @@ def test_a_crashed_driver_ends_the_parent_failed_and_its_orphaned_trials(mlflow_
     FAILED with the reason, and a trial still RUNNING (its job died with the driver) as crash."""
     from orchestrator import sweep, tracking
 
-    exp = tracking.experiment_id(mlflow_uri, "default")
+    exp = tracking.experiment_id(mlflow_uri, "orchestrator")
     c = tracking.client(mlflow_uri)
     parent = c.create_run(exp, tags={"sweep": "s1", "sweep.status": "running"}).info.run_id
     orphan = c.create_run(exp, tags={"sweep": "s1", "trial.status": "running"}).info.run_id
@@ -156,7 +156,7 @@ def test_a_crashed_driver_ends_the_parent_failed_and_its_orphaned_trials(mlflow_
         "id": "s1",
         "parent_run_id": parent,
         "uri": mlflow_uri,
-        "experiment": "default",
+        "experiment": "orchestrator",
         "experiment_id": exp,
     }
     callback.abandon(RuntimeError("the sweeper broke"))

@@ -32,7 +32,7 @@ from trainers.optim import lr_at
 from trainers.parallel import acc_dtype, global_grad_norm, param_checksum
 from trainers.precision import LossScaler, grad_multiplier
 from trainers.profiling import Profiler
-from trainers.report import NullReporter, Reporter
+from trainers.report import ROW_TIME, NullReporter, Reporter
 from trainers.runtime import adopt_env, memory_gb, peak_memory_gb, select_device, set_deterministic, setup, synchronize
 
 
@@ -47,6 +47,8 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     targs, dargs, pargs, rt = spec.trainer, spec.data, spec.precision, spec.runtime
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    if rank == 0 and hasattr(reporter, "open"):
+        reporter.open()  # connects to its store while the model is built
     set_deterministic(rt.device_type, targs.deterministic)
     device = select_device(rt, int(os.environ.get("LOCAL_RANK", "0")))
     torch.manual_seed(targs.seed)
@@ -194,6 +196,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         synchronize(device)
         dt = time.perf_counter() - t0
         row = {"step": step, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, "lr": lr, "grad_norm": grad_norm}
+        row[ROW_TIME] = time.time()  # when the step ended: its metrics' timestamp (trainers/report.py)
         row["loss_scale"] = scaler.scale
         row["skipped_steps"] = scaler.skipped_steps
         if first_bad is not None:

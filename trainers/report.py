@@ -1,15 +1,25 @@
 """The one interface through which a worker's metrics leave the trainer.
 
 The trainer never imports MLflow, Ray or Hydra: the control plane hands it an object with these
-three methods (picklable, so it crosses into spawned worker processes), and rank 0 calls them.
+methods (picklable, so it crosses into spawned worker processes), and rank 0 calls them.
+
+A step row is a dict of metrics with its ``step``; keys that start with ``_`` are not metrics:
+``_time`` (:data:`ROW_TIME`) is the wall-clock time the step ended (seconds since the epoch), the
+time its metrics are recorded at however late they are delivered.
 """
 
 from __future__ import annotations
 
 from typing import Any, Dict, List, Protocol
 
+ROW_TIME = "_time"
+
 
 class Reporter(Protocol):
+    def open(self) -> None:
+        """Optional: called once on rank 0 before the model is built, so that a reporter can
+        connect to its store meanwhile (the loop calls it where present)."""
+
     def on_step(self, step: int, step_time_s: float) -> None:
         """Called every step, cheaply (a progress bar); no metric is stored here."""
 
@@ -30,6 +40,9 @@ class Reporter(Protocol):
 
 
 class NullReporter:
+    def open(self) -> None:
+        pass
+
     def on_step(self, step: int, step_time_s: float) -> None:
         pass
 

@@ -13,8 +13,11 @@ from hydra.plugins.sweeper import Sweeper
 class OvatSweeperConf:
     _target_: str = "hydra_plugins.ovat_sweeper.ovat_sweeper.OvatSweeper"
     study: Optional[str] = None  # a name for the study; default: the +sweep preset's name
-    # ordered variables, KEY: [candidates...] (or "a,b,c"); the first candidate is the baseline.
-    # Sweep overrides on the command line (KEY=a,b) add variables after these, or replace them
+    # ordered variables, KEY: "a,b,c" (or [candidates...]); the first candidate is the baseline.
+    # `params` is where Hydra's own sweepers read their search space; `variables` is its alias
+    # (give one of them). Sweep overrides on the command line (KEY=a,b) add variables after
+    # these, or replace them
+    params: Dict[str, Any] = field(default_factory=dict)
     variables: Dict[str, Any] = field(default_factory=dict)
     objective: str = "step_time_median_s"  # any metric a trial logs to MLflow
     direction: str = "minimize"  # minimize | maximize
