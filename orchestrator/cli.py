@@ -126,10 +126,11 @@ def no_match(line: str, details: Sequence[str] = ()) -> int:
 def store_error(uri: str, flag: str = "--tracking-uri") -> Optional[str]:
     """Why ``uri`` names no store to read: a sqlite file that does not exist (reading it would
     create an empty one); None otherwise."""
-    if uri.startswith("sqlite:///"):
-        path = uri[len("sqlite:///") :].split("?")[0]
-        if path not in ("", ":memory:") and not Path(path).is_file():
-            return f"{flag}={uri}: no such sqlite file ({os.path.abspath(path)})"
+    from orchestrator.tracking import sqlite_file
+
+    path = sqlite_file(uri)
+    if path is not None and not path.is_file():
+        return f"{flag}={uri}: no such sqlite file ({os.path.abspath(path)})"
     return None
 
 

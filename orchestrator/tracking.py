@@ -87,10 +87,20 @@ def resolve_uri(tracking: DictConfig | Dict[str, Any]) -> str:
     return "sqlite:///" + str(Path("mlruns.db").resolve())
 
 
+def sqlite_file(uri: str) -> Optional[Path]:
+    """The file of a ``sqlite:///PATH`` store (its query string dropped); None for any other
+    store and for an in-memory database."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///") :].split("?")[0]
+    return None if path in ("", ":memory:") else Path(path)
+
+
 def default_artifact_location(uri: str) -> Optional[str]:
     """``mlartifacts/`` next to a sqlite file; servers and file stores choose their own."""
-    if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///") :]).parent / "mlartifacts").resolve().as_uri()
+    path = sqlite_file(uri)
+    if path is not None:
+        return (path.parent / "mlartifacts").resolve().as_uri()
     return None
 
 
@@ -135,8 +145,8 @@ def store_problem(uri: str, timeout_s: float = 5.0) -> Optional[str]:
         if scheme in ("http", "https"):
             return _http_problem(uri, timeout_s)
         if scheme == "sqlite":
-            path = uri[len("sqlite:///") :].split("?")[0] if uri.startswith("sqlite:///") else ""
-            return None if path in ("", ":memory:") else _path_problem(Path(path), is_dir=False)
+            path = sqlite_file(uri)
+            return None if path is None else _path_problem(path, is_dir=False)
         if scheme in ("", "file"):
             return _path_problem(Path(urlparse(uri).path if scheme else uri), is_dir=True)
         return _client_problem(uri, max(timeout_s, 30.0))  # databricks, postgresql, ...: ask MLflow

@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from orchestrator import conf_dir
+from orchestrator import conf_dir, results
 from orchestrator.config import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +109,38 @@ def assert_planned_state_bytes(cfg, summary) -> None:
 
     measured = [{k: int(v) for k, v in r.items()} for r in summary["model_state_bytes"]]
     assert measured == planner.state_bytes_per_rank(cfg)
+
+
+class TableRunner:
+    """Coordinate descent driven by a table of known objectives (the descent's logic alone; the
+    real runner is exercised end to end in tests/test_ovat.py): assignment -> (step time, final loss) or a status."""
+
+    def __init__(self, table, inert=None):
+        self.table, self.batches, self.points = table, [], {}
+        self.info, self.experiment = {"id": "s"}, "e"
+        self.launched = self.reused = self.pruned = 0
+        self.inert = inert or {}  # key -> (assignment of the other variables -> reason or None)
+
+    def no_effect(self, current, key):
+        rule = self.inert.get(key)
+        return rule(current) if rule else None
+
+    def point(self, assignment):
+        key = tuple(sorted(assignment.items()))
+        if key not in self.points:
+            p = results.Point(str(key), overrides=[f"{k}={v}" for k, v in assignment.items()])
+            p.labels = dict(assignment)
+            self.points[key] = p
+        return self.points[key]
+
+    def measure(self, points):
+        batch = [p for p in points if p.status == "pending"]
+        self.batches.append([p.labels for p in batch])
+        for p in batch:
+            got = self.table[tuple(sorted(p.labels.items()))]
+            if isinstance(got, str):
+                p.status, p.reason = got, "planner"
+                continue
+            t, loss = got
+            p.status, p.values, p.final_losses = "finished", [t, t], [loss, loss]
+            p.run_ids, p.losses = [p.config_hash], {p.config_hash: [5.0, loss]}

@@ -49,44 +49,21 @@ def test_wheel_install_runs_from_another_directory(tmp_path):
     assert not (target / "hydra_plugins" / "__init__.py").exists()  # a namespace package, as Hydra expects
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
     env["PYTHONPATH"] = str(target)  # the installed copy only, not the repository
-    proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "+chip=cpu", "trainer=smoke", "trainer.steps=3"],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def orchestrator(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "orchestrator", *args]
+        return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=timeout)
+
+    proc = orchestrator("+chip=cpu", "trainer=smoke", "trainer.steps=3", timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "finished run" in proc.stdout
     assert (work / "mlruns.db").is_file()
-    cfg = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "+chip=ascend910b", "parallel=tp8pp4", "--cfg", "job"],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    cfg = orchestrator("+chip=ascend910b", "parallel=tp8pp4", "--cfg", "job")
     assert cfg.returncode == 0 and "tp: 8" in cfg.stdout and "name: ascend910b" in cfg.stdout
     for name in ("ray_trials", "ray"):  # ray: the alias, where Hydra's own Ray launcher is not installed
-        launcher = subprocess.run(
-            [sys.executable, "-m", "orchestrator", f"hydra/launcher={name}", "--cfg", "hydra", "-p", "hydra.launcher"],
-            cwd=work,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        launcher = orchestrator(f"hydra/launcher={name}", "--cfg", "hydra", "-p", "hydra.launcher")
         assert launcher.returncode == 0 and "hydra_plugins.ray_launcher.ray_launcher.RayLauncher" in launcher.stdout
-    sweeper = subprocess.run(
-        [sys.executable, "-m", "orchestrator", "+sweep=cpu_smoke", "--cfg", "hydra", "--package", "hydra.sweeper"],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    sweeper = orchestrator("+sweep=cpu_smoke", "--cfg", "hydra", "--package", "hydra.sweeper")
     assert sweeper.returncode == 0 and "hydra_plugins.ovat_sweeper.ovat_sweeper.OvatSweeper" in sweeper.stdout
     assert "trainer.micro_batch" in sweeper.stdout
 

@@ -12,7 +12,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from orchestrator import report
 from orchestrator.results import Point
 from sweeps.ovat import Study, StudyError, judge, parse_study
-from tests.conftest import ROOT, run_cli, search_runs
+from tests.conftest import ROOT, TableRunner, run_cli, search_runs
 
 # the shipped preset (micro-batch, precision) reshaped from the command line: micro-batches of 1
 # against one of 8 (8 accumulation steps against 1: a sure win), a learning rate that cannot reach
@@ -259,41 +259,6 @@ def test_a_broken_study_exits_2_and_leaves_no_run(tmp_path):
     assert search_runs(uri) == []  # the sweep's parent run is removed again; no trial was recorded
     proc = run_cli(["-m", "hydra/sweeper=ovat"], cwd=tmp_path)
     assert proc.returncode == 2 and "error: hydra.sweeper.params: the study has no variables" in proc.stderr
-
-
-class TableRunner:
-    """Coordinate descent driven by a table of known objectives (the descent's logic alone; the
-    real runner is exercised end to end above): assignment -> (step time, final loss) or a status."""
-
-    def __init__(self, table, inert=None):
-        self.table, self.batches, self.points = table, [], {}
-        self.info, self.experiment = {"id": "s"}, "e"
-        self.launched = self.reused = self.pruned = 0
-        self.inert = inert or {}  # key -> (assignment of the other variables -> reason or None)
-
-    def no_effect(self, current, key):
-        rule = self.inert.get(key)
-        return rule(current) if rule else None
-
-    def point(self, assignment):
-        key = tuple(sorted(assignment.items()))
-        if key not in self.points:
-            p = Point(str(key), overrides=[f"{k}={v}" for k, v in assignment.items()])
-            p.labels = dict(assignment)
-            self.points[key] = p
-        return self.points[key]
-
-    def measure(self, points):
-        batch = [p for p in points if p.status == "pending"]
-        self.batches.append([p.labels for p in batch])
-        for p in batch:
-            got = self.table[tuple(sorted(p.labels.items()))]
-            if isinstance(got, str):
-                p.status, p.reason = got, "planner"
-                continue
-            t, loss = got
-            p.status, p.values, p.final_losses = "finished", [t, t], [loss, loss]
-            p.run_ids, p.losses = [p.config_hash], {p.config_hash: [5.0, loss]}
 
 
 def _table(**entries):

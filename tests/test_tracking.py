@@ -18,8 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator import report, tracking, trial
 from orchestrator.launch import free_port
-from orchestrator.results import Point
-from tests.conftest import ROOT, cli_in_process, metric_history, search_runs
+from tests.conftest import ROOT, TableRunner, cli_in_process, metric_history, search_runs
 
 SMOKE = ["+chip=cpu", "trainer=smoke", "data.num_workers=0"]
 
@@ -203,38 +202,11 @@ def test_store_problem_is_none_for_a_usable_store(mlflow_uri, tmp_path):
 # --- the tuning report in MLflow's UI ------------------------------------------------------------------
 
 
-class _Table:
-    """The OVAT descent's runner, fed from a table (assignment -> step time): real report data."""
-
-    def __init__(self, table):
-        self.table, self.points = table, {}
-        self.info, self.experiment = {"id": "s"}, "e"
-        self.launched = self.reused = self.pruned = 0
-
-    def no_effect(self, current, key):
-        return None
-
-    def point(self, assignment):
-        key = tuple(sorted(assignment.items()))
-        if key not in self.points:
-            p = Point(str(key), overrides=[f"{k}={v}" for k, v in assignment.items()])
-            p.labels = dict(assignment)
-            self.points[key] = p
-        return self.points[key]
-
-    def measure(self, points):
-        for p in points:
-            if p.status == "pending":
-                t = self.table[tuple(sorted(p.labels.items()))]
-                p.status, p.values, p.final_losses = "finished", [t, t], [3.0, 3.0]
-                p.run_ids, p.losses = [p.config_hash], {p.config_hash: [5.0, 3.0]}
-
-
 def test_the_tuning_report_s_images_are_linked_where_mlflow_s_ui_finds_them(mlflow_uri, tmp_path):
     from sweeps.ovat import Study, descend
 
-    table = {(("a", "1"),): 1.0, (("a", "2"),): 0.5}
-    data = descend(Study(name="t", variables={"a": ["1", "2"]}, fixed=[]), _Table(table))
+    table = {(("a", "1"),): (1.0, 3.0), (("a", "2"),): (0.5, 3.0)}
+    data = descend(Study(name="t", variables={"a": ["1", "2"]}, fixed=[]), TableRunner(table))
     data.update(sweep="s", experiment="orchestrator", kind="ovat")
     files = report.render(data, tmp_path / "out")
     run_id = _run(mlflow_uri)
