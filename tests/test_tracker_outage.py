@@ -25,8 +25,8 @@ from mlflow.tracking import MlflowClient
 
 from orchestrator import report, tracking
 from orchestrator.launch import free_port
-from tests.conftest import ROOT, cli_env, metric_history
-from tests.test_tracking import SMOKE, _Table
+from tests.conftest import ROOT, TableRunner, cli_env, metric_history
+from tests.test_tracking import SMOKE
 
 pytestmark = pytest.mark.slow
 
@@ -233,9 +233,8 @@ def _catch(errors, fn, *args, **kwargs):
 def test_the_report_s_image_links_are_served_as_mlflow_s_ui_fetches_them(running, tmp_path):
     from sweeps.ovat import Study, descend
 
-    data = descend(
-        Study(name="t", variables={"a": ["1", "2"]}, fixed=[]), _Table({(("a", "1"),): 1.0, (("a", "2"),): 0.5})
-    )
+    table = {(("a", "1"),): (1.0, 3.0), (("a", "2"),): (0.5, 3.0)}
+    data = descend(Study(name="t", variables={"a": ["1", "2"]}, fixed=[]), TableRunner(table))
     data.update(sweep="s", experiment="outage_report", kind="ovat")
     files = report.render(data, tmp_path / "out")
     c = MlflowClient(running.uri)
