@@ -219,20 +219,21 @@ def _figures(data: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def artifact_links(md: str, run_id: str, plots: List[str]) -> str:
+def artifact_links(md: str, run_id: str, plots: List[str], base: Optional[str]) -> str:
     """The report's markdown with each plot's image linked where MLflow's UI can show it.
 
-    The UI's markdown view (``ShowArtifactMarkdownView.tsx``, rendering with
-    ``GenAIMarkdownRenderer.tsx`` in mlflow/server/js/src) resolves an image's relative URL against
-    the UI's own page, not the artifact's folder, and prints ``./``, ``../`` and ``/`` links as
-    text: a sibling link (what the local copy has) shows nothing there. The link used is the one
-    the UI's own image view fetches an artifact from, ``get-artifact?path=...&run_uuid=...``
-    (``getArtifactLocationUrl`` in ``common/utils/ArtifactUtils.ts``), relative to the UI's root,
-    so it holds for any host, port and static prefix."""
+    The UI's markdown view (3.17's bundle, mlflow/server/js) prints an image whose URL has no
+    scheme as the text ``[alt](url)``, and its URL filter drops ``data:`` sources: a sibling link
+    (what the local copy has) or a relative one shows no picture there. The link used is the
+    absolute URL the UI's own image view fetches an artifact from,
+    ``BASE/get-artifact?path=...&run_uuid=...``, BASE the UI's root (:func:`tracking.ui_base`: the
+    tracking server, or ``mlflow ui``'s default address for a local store). With no UI address (a
+    Databricks workspace) the markdown keeps the artifact's path, ``plots/NAME``."""
     from urllib.parse import quote
 
     for name in plots:
-        url = f"get-artifact?path={quote(f'{PLOTS}/{name}', safe='')}&run_uuid={run_id}"
+        path = f"{PLOTS}/{name}"
+        url = f"{base}/get-artifact?path={quote(path, safe='')}&run_uuid={run_id}" if base else path
         md = md.replace(f"]({name})", f"]({url})")
     return md
 
@@ -248,7 +249,7 @@ def attach(uri: str, run_id: str, files: List[Path], data: Dict[str, Any]) -> No
     plots = [f.name for f in files if f.suffix == ".png"]
     for f in files:
         if f.suffix == ".md":
-            c.log_text(run_id, artifact_links(f.read_text(), run_id, plots), f.name)
+            c.log_text(run_id, artifact_links(f.read_text(), run_id, plots, tracking.ui_base(uri)), f.name)
         elif f.suffix == ".png" and f.name in figures:
             draw, *args = figures[f.name]
             fig = draw(*args)

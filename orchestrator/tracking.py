@@ -8,7 +8,8 @@ touches it, so a rejected config leaves no run behind.
 What a run carries besides params and metrics, by MLflow's own conventions:
 
 - its experiment is tagged ``mlflow.experimentKind=custom_model_development``, the kind MLflow 3's
-  UI opens in the model-training view (runs table, charts) rather than the GenAI one;
+  UI opens in the model-training view (runs table, charts) rather than the GenAI one where its
+  workflow switch is off; the pages we print carry the switch's own query (:data:`UI_VIEW`);
 - the system tags MLflow's ``start_run`` sets (``mlflow.user``, ``mlflow.source.*``, git commit),
   resolved by MLflow's run-context registry for the program that makes our runs;
 - a description (``mlflow.note.content``): the command that reproduces the trial, and at its end
@@ -445,16 +446,41 @@ def end_run(
     retrying(_end, f"run {run_id}: its end")
 
 
+LOCAL_UI = "http://127.0.0.1:5000"  # where ``mlflow ui`` serves a local store by default
+# MLflow 3's UI (3.17's bundle, mlflow/server/js) picks the experiment page's view from its global
+# workflow switch: the page's ``workflowType`` query parameter, else the browser's stored choice,
+# else "genai"; the experiment's ``mlflow.experimentKind`` tag is read only where that switch is
+# off. A link with this query opens on the model-training view (runs table, charts) in any browser.
+UI_VIEW = "workflowType=machine_learning"
+
+
+def ui_base(uri: str) -> Optional[str]:
+    """The root URL of the UI showing the store at ``uri``: the tracking server itself, or for a
+    local store what ``mlflow ui`` serves by default; None for a Databricks workspace."""
+    scheme = urlparse(uri).scheme.lower()
+    if scheme in ("http", "https"):
+        return uri.rstrip("/")
+    if uri.lower().startswith("databricks"):  # "databricks", "databricks://PROFILE", "databricks-uc"
+        return None
+    return LOCAL_UI
+
+
+def ui_page(base: str, experiment: str, run_id: Optional[str] = None, tab: str = "") -> str:
+    """The UI's page of an experiment, or of one of its runs (``tab``: "model-metrics", "artifacts/PATH"...)."""
+    # the runs table is the experiment's "/runs" page: the bare experiment page only redirects to it
+    page = f"#/experiments/{experiment}/runs" + (f"/{run_id}" if run_id else "") + (f"/{tab}" if tab else "")
+    return f"{base}/{page}?{UI_VIEW}"
+
+
 def ui_hint(uri: str, experiment: str, run_id: Optional[str] = None) -> str:
     """How to look at a run (or a whole experiment) in MLflow's UI: the server's page, or for a
     local store the ``mlflow ui`` command that serves it and the page it then has."""
-    page = f"#/experiments/{experiment}" + (f"/runs/{run_id}" if run_id else "")
-    scheme = urlparse(uri).scheme.lower()
-    if scheme in ("http", "https"):
-        return f"MLflow UI: {uri.rstrip('/')}/{page}"
-    if scheme.startswith("databricks"):
+    base = ui_base(uri)
+    if base is None:
         return f"MLflow UI: the workspace's experiment {experiment}" + (f", run {run_id}" if run_id else "")
-    return f"MLflow UI: mlflow ui --backend-store-uri {shlex.quote(uri)}  then open http://127.0.0.1:5000/{page}"
+    if base != LOCAL_UI:
+        return f"MLflow UI: {ui_page(base, experiment, run_id)}"
+    return f"MLflow UI: mlflow ui --backend-store-uri {shlex.quote(uri)}  then open {ui_page(base, experiment, run_id)}"
 
 
 def show_ui(uri: str, run_id: str, experiment: Optional[str] = None) -> None:

@@ -242,8 +242,8 @@ def test_the_report_s_image_links_are_served_as_mlflow_s_ui_fetches_them(running
     report.attach(running.uri, run_id, files, data)
     md = Path(c.download_artifacts(run_id, "tuning_report.md", str(tmp_path))).read_text()
     links = [line.split("](", 1)[1].rstrip(")") for line in md.splitlines() if line.startswith("![")]
-    assert len(links) == 2 and all(link.startswith("get-artifact?") for link in links)
-    for link in links:  # relative to the UI's root page, which the server serves at /
-        with urllib.request.urlopen(f"{running.uri}/{link}", timeout=30) as resp:
+    assert len(links) == 2 and all(link.startswith(f"{running.uri}/get-artifact?") for link in links)
+    for link in links:  # the server's own address, which the UI's markdown view needs
+        with urllib.request.urlopen(link, timeout=30) as resp:
             assert resp.read()[:4] == b"\x89PNG", link
     assert json.loads(Path(c.download_artifacts(run_id, "tuning_report.json", str(tmp_path))).read_text())["rows"]

@@ -101,9 +101,13 @@ def test_the_ui_hint_names_the_store_and_the_run():
     hint = tracking.ui_hint("sqlite:////tmp/x y/mlruns.db", "3", "abc")
     assert hint == (
         "MLflow UI: mlflow ui --backend-store-uri 'sqlite:////tmp/x y/mlruns.db'  "
-        "then open http://127.0.0.1:5000/#/experiments/3/runs/abc"
+        "then open http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
     )
-    assert tracking.ui_hint("http://h:5000/", "3") == "MLflow UI: http://h:5000/#/experiments/3"
+    assert (
+        tracking.ui_hint("http://h:5000/", "3")
+        == "MLflow UI: http://h:5000/#/experiments/3/runs?workflowType=machine_learning"
+    )
+    assert tracking.ui_hint("databricks", "3") == "MLflow UI: the workspace's experiment 3"
 
 
 # --- rank 0's reporter --------------------------------------------------------------------------------
@@ -219,7 +223,8 @@ def test_the_tuning_report_s_images_are_linked_where_mlflow_s_ui_finds_them(mlfl
     for p in plots:
         assert Path(c.download_artifacts(run_id, p, str(tmp_path))).read_bytes()[:4] == b"\x89PNG"
     md = Path(c.download_artifacts(run_id, "tuning_report.md", str(tmp_path))).read_text()
-    assert f"![objective_a.png](get-artifact?path=plots%2Fobjective_a.png&run_uuid={run_id})" in md
+    link = f"http://127.0.0.1:5000/get-artifact?path=plots%2Fobjective_a.png&run_uuid={run_id}"
+    assert f"![objective_a.png]({link})" in md  # absolute: the UI shows no image from a relative URL
     assert "](objective_a.png)" not in md and "## What helped" in md
     assert "![objective_a.png](objective_a.png)" in files[0].read_text()  # the local copy: siblings
 
@@ -249,5 +254,5 @@ def test_a_trial_records_step_times_its_result_and_says_where_to_look(compose_cf
     hints = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MLflow UI:")]
     assert hints == [
         f"MLflow UI: mlflow ui --backend-store-uri {mlflow_uri}  then open http://127.0.0.1:5000/"
-        f"#/experiments/{run.info.experiment_id}/runs/{run_id}"
+        f"#/experiments/{run.info.experiment_id}/runs/{run_id}?workflowType=machine_learning"
     ]

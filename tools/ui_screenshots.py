@@ -6,12 +6,15 @@ runs table, a trial's loss chart and the sweep's tuning report, and saves one PN
 
 Needs ``chromium`` (Debian: ``apt-get install chromium``). The study is the ``cpu_smoke`` preset
 with one repeat a point and 6 steps a trial (about a minute on 2 cores). The UI is served by a
-real ``mlflow server`` on the store, on 127.0.0.1 only, and stopped at the end.
+real ``mlflow server`` on the store, on 127.0.0.1 only, and stopped at the end; on port 5000 by
+default, the address ``mlflow ui`` serves and the one a local store's report links its images to
+(``tracking.ui_base``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import socket
@@ -24,13 +27,19 @@ from pathlib import Path
 from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from orchestrator.tracking import UI_VIEW, ui_page  # noqa: E402 - the checkout's, run as a script
+
 STUDY = ["+sweep=cpu_smoke", "+chip=cpu", "hydra.sweeper.repeats=1", "trainer.steps=6"]
 
 
-def free_port() -> int:
+def port_free(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def run_study(store: Path) -> None:
@@ -66,6 +75,15 @@ def screenshot(url: str, path: Path, budget_ms: int = 20000, size: str = "1600,1
     print(f"{path}  <- {url}")
 
 
+def metric_page(base: str, experiment: str, run_id: str, key: str) -> str:
+    """The UI's chart of one metric of one run (its ``#/metric`` page, as the run page links it)."""
+    from urllib.parse import quote
+
+    query = {"runs": [run_id], "metric": key, "experiments": [experiment], "plot_metric_keys": [key]}
+    args = "&".join(f"{k}={quote(json.dumps(v, separators=(',', ':')))}" for k, v in query.items())
+    return f"{base}/#/metric?{args}&x_axis=step&{UI_VIEW}"
+
+
 def markdown_artifact(client, run_id: str, folder: str = "") -> Optional[str]:
     """The first markdown file among a run's artifacts (the tuning report)."""
     for item in client.list_artifacts(run_id, folder or None):
@@ -83,7 +101,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--store", type=Path, help="folder holding mlruns.db (default: run a small study in a temp dir)")
     ap.add_argument("--out", type=Path, default=Path("ui_screenshots"))
     ap.add_argument("--experiment", default="orchestrator")
+    ap.add_argument("--port", type=int, default=5000, help="the UI's port (the report's images link to 5000)")
     args = ap.parse_args(argv)
+    if not port_free(args.port):
+        print(f"error: --port={args.port}: in use on 127.0.0.1", file=sys.stderr)
+        return 2
     store = args.store or Path(tempfile.mkdtemp(prefix="ui-store-"))
     if args.store is None:
         run_study(store)
@@ -101,17 +123,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"error: no finished trial in experiment {args.experiment}", file=sys.stderr)
         return 3
     args.out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    server = serve(store, port)
-    base = f"http://127.0.0.1:{port}/#/experiments/{exp.experiment_id}"
+    server = serve(store, args.port)
+    base, exp_id = f"http://127.0.0.1:{args.port}", exp.experiment_id
     try:
-        screenshot(base, args.out / "runs_table.png")
-        screenshot(f"{base}/runs/{trials[0].info.run_id}/model-metrics", args.out / "trial_loss_chart.png")
+        screenshot(ui_page(base, exp_id), args.out / "runs_table.png")
+        screenshot(metric_page(base, exp_id, trials[0].info.run_id, "loss"), args.out / "trial_loss_chart.png")
         if sweeps:
             parent = sweeps[0].info.run_id
             md = markdown_artifact(client, parent)
-            page = f"{base}/runs/{parent}/artifacts" + (f"/{md}" if md else "")
-            screenshot(page, args.out / "sweep_report.png", size="1600,1600")
+            page = ui_page(base, exp_id, parent, "artifacts" + (f"/{md}" if md else ""))
+            screenshot(page, args.out / "sweep_report.png", budget_ms=30000, size="1600,1800")
     finally:
         server.terminate()
         server.wait(timeout=30)
