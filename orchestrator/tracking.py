@@ -24,6 +24,7 @@ backoff while the store is away, and never delivers a step twice.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -772,6 +773,8 @@ class MlflowReporter:
             c.log_artifact(self.run_id, op["path"], op["folder"] or None)
             if op.get("staged"):
                 os.unlink(op["path"])
+                with contextlib.suppress(OSError):  # its own folder, now empty
+                    os.rmdir(os.path.dirname(op["path"]))
 
     def _deliver_rows(self, c: Any, rows: List[Dict[str, Any]]) -> None:
         """Rows in step order, each step once: none at or below the highest step of ``loss`` in the
@@ -846,12 +849,13 @@ class MlflowReporter:
         self._ops.extendleft(reversed(pending))
 
     def _stage(self, path: str) -> str:
-        """A copy of ``path`` beside the journal, kept until it is delivered."""
+        """A copy of ``path`` beside the journal, kept until it is delivered: in a folder of its
+        own, under its own name (the name MLflow gives the artifact)."""
         if not self.journal:
             return path
-        folder = Path(self.journal + ".files")
+        folder = Path(self.journal + ".files") / f"{self._seq:06d}"
         folder.mkdir(parents=True, exist_ok=True)
-        staged = folder / f"{self._seq:06d}_{Path(path).name}"
+        staged = folder / Path(path).name
         shutil.copyfile(path, staged)
         return str(staged)
 

@@ -131,6 +131,27 @@ def test_each_step_s_metrics_carry_the_time_that_step_ended(mlflow_uri, tmp_path
     assert not journal.exists()  # all delivered: the journal is gone
 
 
+def test_a_queued_artifact_keeps_its_name(mlflow_uri, tmp_path, monkeypatch):
+    """An artifact logged while the store is away is staged beside the journal and delivered
+    later, under the name it was given (the profile's trace_rank0.json, not a staged copy's name)."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    run_id = _run(mlflow_uri)
+    journal = tmp_path / "j.jsonl"
+    away = tracking.MlflowReporter(_dead_uri(), run_id, 3, False, str(journal), finish_timeout_s=1.0)
+    trace = tmp_path / "trace_rank0.json"
+    trace.write_text("{}")
+    away.log_steps(_rows(range(3), time.time()))
+    away.log_artifact(str(trace), "profile")
+    trace.unlink()  # the caller may delete it once handed over (the Ray relay does)
+    away.finish({})
+    assert [op["op"] for op in tracking.read_journal(str(journal))] == ["rows", "artifact", "metrics"]
+    back = tracking.MlflowReporter(mlflow_uri, run_id, 3, False, str(journal))
+    back.finish({})
+    files = {a.path for a in MlflowClient(mlflow_uri).list_artifacts(run_id, "profile")}
+    assert files == {"profile/trace_rank0.json"}
+    assert not journal.exists() and not Path(str(journal) + ".files").exists()
+
+
 def test_a_restarted_worker_group_never_logs_a_step_twice(mlflow_uri, tmp_path):
     """A group restarted from a checkpoint recomputes steps the crashed one logged; at other times,
     so the store's own primary key (key, step, timestamp, value) would keep both."""
