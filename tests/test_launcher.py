@@ -61,6 +61,15 @@ def test_discovery():
 class TestRayTrialsLauncher(LauncherTestSuite):
     """Hydra's launcher test suite, in this process: job returns, configs, output dirs."""
 
+    @pytest.fixture(autouse=True)
+    def _no_version_base_yet(self, hydra_restore_singletons):
+        """The suite expects a process in which no app has chosen a ``version_base`` (its legacy
+        defaults: a job runs in its own output dir). Hydra keeps that choice process-wide, and an
+        earlier module's compose (``version_base="1.3"``: jobs stay in the launch dir) would hold."""
+        from hydra.version import _UNSPECIFIED_, VersionBase
+
+        VersionBase.instance().version_base = _UNSPECIFIED_  # as in a fresh process
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
