@@ -479,7 +479,7 @@ def ui_hint(uri: str, experiment: str, run_id: Optional[str] = None) -> str:
     base = ui_base(uri)
     if base is None:
         return f"MLflow UI: the workspace's experiment {experiment}" + (f", run {run_id}" if run_id else "")
-    if base != LOCAL_UI:
+    if urlparse(uri).scheme.lower() in ("http", "https"):  # a server (even one at LOCAL_UI's address)
         return f"MLflow UI: {ui_page(base, experiment, run_id)}"
     return f"MLflow UI: mlflow ui --backend-store-uri {shlex.quote(uri)}  then open {ui_page(base, experiment, run_id)}"
 

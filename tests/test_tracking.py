@@ -108,6 +108,8 @@ def test_the_ui_hint_names_the_store_and_the_run():
         == "MLflow UI: http://h:5000/#/experiments/3/runs?workflowType=machine_learning"
     )
     assert tracking.ui_hint("databricks", "3") == "MLflow UI: the workspace's experiment 3"
+    server = "MLflow UI: http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning"
+    assert tracking.ui_hint("http://127.0.0.1:5000", "3") == server  # a server at mlflow ui's address
 
 
 # --- rank 0's reporter --------------------------------------------------------------------------------
