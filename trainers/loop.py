@@ -31,7 +31,7 @@ from trainers.monitor import FiniteTracker, PrecisionMonitor
 from trainers.optim import lr_at
 from trainers.parallel import acc_dtype, global_grad_norm, param_checksum
 from trainers.precision import LossScaler, grad_multiplier
-from trainers.profiling import Profiler
+from trainers.profiling import METRIC_KEYS, Profiler
 from trainers.report import ROW_TIME, NullReporter, Reporter
 from trainers.runtime import adopt_env, memory_gb, peak_memory_gb, select_device, set_deterministic, setup, synchronize
 
@@ -226,7 +226,10 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
                 reporter.checkpoint(done, str(path))
 
     profiler.close()
-    comm_shares = _gather(profiler.result.comm_share if profiler.result else 0.0, device, world)
+    # every rank's profile split; the summary reports that of the rank that waits on communication most,
+    # whole (its compute and comm shares together: one rank's compute with another's comm can sum past 1)
+    mine = profiler.result.metrics() if profiler.result else {}
+    prof = {k: _gather(mine.get(k, 0.0), device, world) for k in METRIC_KEYS}
     mem = memory_gb(device)
     peaks = _gather(mem["allocated"], device, world)
     reserved = _gather(mem["reserved"], device, world)
@@ -275,8 +278,9 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         summary["val_loss"] = evals[-1]
     summary.update({f"peak_mem_gb_rank{r}": v for r, v in enumerate(peaks)} if world > 1 else {})
     if profiler.result is not None:
-        summary.update(profiler.result.metrics())
-        summary["comm_share"] = max(comm_shares)  # the rank that waits on communication most
+        worst = max(range(world), key=lambda r: prof["comm_share"][r])
+        summary.update({k: prof[k][worst] for k in METRIC_KEYS})
+        summary["profile_rank"] = worst
         if not profile_logged:  # the window ran to the last step
             _log_profile(profiler, reporter)
     reporter.finish(summary)

@@ -403,6 +403,19 @@ def newest_ascend_dir(root: str, worker: str) -> Optional[str]:
 # The profiler window
 
 
+# the keys of ``ProfileResult.metrics()``: the same on every rank, so ranks can gather them whether or not
+# their own window produced a result
+METRIC_KEYS = (
+    "comm_share",
+    "compute_share",
+    "profile_compute_s",
+    "profile_comm_s",
+    "profile_overlap_s",
+    "profile_idle_s",
+    "profile_wall_s",
+)
+
+
 @dataclass
 class ProfileResult:
     trace_path: Optional[str] = None
@@ -434,6 +447,7 @@ class ProfileResult:
         return self.breakdown.compute_share
 
     def metrics(self) -> Dict[str, float]:
+        """The split as summary metrics: the keys are ``METRIC_KEYS``."""
         return {
             "comm_share": self.comm_share,
             "compute_share": self.compute_share,
