@@ -15,7 +15,7 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from orchestrator import tracking
 
@@ -186,10 +186,33 @@ def quality_gate(point: "Point", baseline: "Point", loss_band: float) -> Optiona
         if abs(loss - base) > loss_band * abs(base):
             return f"rejected by the quality gate: val loss {loss:.4g} outside {base:.4g} +/- {loss_band:.0%}"
         return None
-    base, loss = baseline.final_loss, point.final_loss
+    common = losses_at_common_step(point, baseline)
+    if common is not None:  # trials that ran different numbers of steps (trainer.measure=adaptive)
+        loss, base, steps = common
+        what = f"loss at step {steps}"
+    else:
+        base, loss, what = baseline.final_loss, point.final_loss, "final loss"
     if base is not None and loss is not None and abs(loss - base) > loss_band * abs(base):
-        return f"rejected by the quality gate: final loss {loss:.4g} outside {base:.4g} +/- {loss_band:.0%}"
+        return f"rejected by the quality gate: {what} {loss:.4g} outside {base:.4g} +/- {loss_band:.0%}"
     return None
+
+
+def losses_at_common_step(point: "Point", baseline: "Point") -> Optional[Tuple[float, float, int]]:
+    """(point's, baseline's median training loss, steps) at the last step every repeat of both
+    ran, when their repeats ran different numbers of steps; None when all ran the same (the
+    final losses compare) or a history is missing."""
+    histories = [h for h in (*point.losses.values(), *baseline.losses.values())]
+    if not point.losses or not baseline.losses or not all(histories):
+        return None
+    lengths = {len(h) for h in histories}
+    if len(lengths) == 1:
+        return None
+    n = min(lengths)
+
+    def at(p: "Point") -> float:
+        return statistics.median(h[n - 1] for h in p.losses.values())
+
+    return at(point), at(baseline), n
 
 
 def run_seconds(runs: Iterable[Any]) -> float:

@@ -35,6 +35,7 @@ CHOICES = {
     "model.attn_impl": ("fused", "decomposed", "npu_fused"),
     "data.name": ("stdlib", "memmap", "synthetic"),
     "trainer.optimizer": ("adamw",),
+    "trainer.measure": ("fixed", "adaptive"),
     "launch.start_method": ("spawn", "forkserver", "fork"),
     "trainer.fault.inject": ("nan", "overflow", "hang"),
 }
@@ -48,6 +49,7 @@ POSITIVE = (
     "trainer.steps",
     "trainer.global_batch",
     "trainer.micro_batch",
+    "trainer.measure_tolerance",
     "trainer.seq_len",
     "trainer.lr",
     "trainer.log_every",

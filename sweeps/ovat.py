@@ -135,6 +135,13 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
             f"{PREFIX}.params: the study has no variables; give them in a +sweep preset or as "
             "KEY=a,b,c on the command line"
         )
+    min_speedup = float(spec.get("min_speedup", 1.0))
+    keys = {line.split("=", 1)[0].lstrip("+~") for line in fixed}
+    if "trainer.measure=adaptive" in fixed and "trainer.measure_tolerance" not in keys and min_speedup > 1.0:
+        # adaptive trials measure until the median is known to within half the smallest speedup
+        # the study counts as a win: an interval that narrow cannot turn a tie into a win (with no
+        # min_speedup above 1, trainer.measure_tolerance keeps its default)
+        fixed.append(f"trainer.measure_tolerance={(min_speedup - 1.0) / 2:.6g}")
     study = Study(
         name=name,
         variables=variables,
@@ -142,7 +149,7 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
         objective=str(spec.get("objective") or ""),
         direction=str(spec.get("direction")),
         repeats=int(spec.get("repeats", 2)),
-        min_speedup=float(spec.get("min_speedup", 1.0)),
+        min_speedup=min_speedup,
         loss_band=float(spec.get("loss_band", 0.05)),
         passes=int(spec.get("passes", 1)),
         resume=bool(spec.get("resume", True)),

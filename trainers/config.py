@@ -149,6 +149,10 @@ class TrainerConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     warmup_steps: int = 3  # first steps excluded from step-time summaries
+    # fixed: run `steps`; adaptive: stop once the median step time's 95% interval is within
+    # measure_tolerance of it (relative half-width, trainers/measure.py), `steps` at the latest
+    measure: str = "fixed"
+    measure_tolerance: float = 0.02
     log_every: int = 10  # rank 0 sends per-step metrics in batches of this many steps
     checkpoint_every: int = 0  # steps between checkpoints (0: none)
     # a path or a URI DCP's fsspec writer understands (file://, s3://, ...), read and written by every

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainers import checkpoint as ckpt
 from trainers import data as data_mod
-from trainers import faults, rules
+from trainers import faults, measure, rules
 from trainers import optim as optim_mod
 from trainers.assembly import RankModel
 from trainers.config import TrialSpec
@@ -150,6 +150,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     model.train()
     it = iter(loader)
     profile_logged = False
+    timed_steps: List[float] = []  # this rank's step times after the warm-up (trainer.measure=adaptive)
     for step in range(start_step, targs.steps):
         step_ref[0] = step
         faults.rank_drill(step, rank, targs.fault, targs.checkpoint_dir)
@@ -217,13 +218,20 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         if rank == 0:
             reporter.on_step(step, dt)
         done = step + 1
+        if step >= targs.warmup_steps:
+            timed_steps.append(dt)
+        measured = False
+        if targs.measure == "adaptive" and done < targs.steps and len(timed_steps) >= measure.MIN_TIMED:
+            measured = _agree(measure.enough(timed_steps, targs.measure_tolerance), device, world)
         due = targs.checkpoint_every > 0 and targs.checkpoint_dir and done % targs.checkpoint_every == 0
-        if done % max(1, targs.log_every) == 0 or done == targs.steps or due:
+        if done % max(1, targs.log_every) == 0 or done == targs.steps or due or measured:
             flush()
         if due:
             path = ckpt.save(targs.checkpoint_dir, done, model.modules, optims, {"scaler": scaler.state_dict()})
             if rank == 0:
                 reporter.checkpoint(done, str(path))
+        if measured:
+            break
 
     profiler.close()
     # every rank's profile split; the summary reports that of the rank that waits on communication most,
@@ -246,6 +254,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         r["step_time_s"] for r in history
     ]
     median = statistics.median(timed)
+    half_width = measure.relative_half_width(timed)
     # CPU workers share one host, whose peak the cpu chip gives; devices add up
     peak_flops = rt.peak_flops * (1 if device.type == "cpu" else world)
     summary = {
@@ -263,6 +272,8 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         "param_sum_final": param_sum_final,
         "world_size": world,
         "resumed_from_step": start_step,
+        "steps_run": history[-1]["step"] + 1,  # < trainer.steps when trainer.measure=adaptive stopped early
+        "step_time_ci_rel": half_width,  # the median's 95% interval half-width / median (None: < 6 timed steps)
         "bubble_fraction": rules.bubble_fraction(p.pp, p.microbatches, p.schedule, p.virtual_stages),
         # per rank, in rank order: bytes of parameters, gradients and optimizer state held
         "model_state_bytes": [{k: int(held[k][r]) for k in held} for r in range(world)],
@@ -287,6 +298,15 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     summary["losses"] = [r["loss"] for r in history]
     summary["grad_norms"] = [r["grad_norm"] for r in history]
     return summary
+
+
+def _agree(stop: bool, device: torch.device, world: int) -> bool:
+    """Rank 0's decision, taken by every rank (all stop at the same step or none does)."""
+    if world == 1 or not dist.is_initialized():
+        return stop
+    flag = torch.tensor([1.0 if stop else 0.0], device=device)
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
 
 
 def _log_profile(profiler: Profiler, reporter: Reporter) -> None:

@@ -1,0 +1,54 @@
+"""When a timing trial has measured enough: the median step time's confidence interval.
+
+``trainer.measure=fixed`` runs ``trainer.steps``. ``adaptive`` stops once the median of the timed
+steps (those after ``trainer.warmup_steps``) is known to within ``trainer.measure_tolerance``:
+the half-width of a distribution-free 95% confidence interval of the median, relative to the
+median. The trial still stops at ``trainer.steps`` at the latest.
+
+The interval is the one from order statistics (no assumption on the step-time distribution, which
+on a shared machine has a long right tail): for n sorted samples, the median lies between the
+j-th and k-th smallest with probability at least 1 - alpha, where j and k are the binomial(n, 1/2)
+quantiles around n/2. The normal approximation of those quantiles, j = floor(n/2 - z sqrt(n)/2)
+and k = ceil(n/2 + z sqrt(n)/2) + 1 (1-based), is used; below ``MIN_TIMED`` samples it is too
+loose to trust and no stop is taken.
+
+Every rank must stop at the same step (the next step's collectives would hang otherwise): the
+decision is taken on rank 0's times and shared with the others by the caller (one broadcast of a
+flag per check, ``trainers/loop.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+MIN_TIMED = 6  # timed steps before an interval is trusted
+Z95 = 1.959964  # the two-sided 95% normal quantile
+
+
+def median_interval(times: Sequence[float], z: float = Z95) -> Optional[Tuple[float, float, float]]:
+    """(low, median, high) of the median's confidence interval, or None with too few samples."""
+    n = len(times)
+    if n < MIN_TIMED:
+        return None
+    xs = sorted(times)
+    half = z * math.sqrt(n) / 2
+    j = max(1, math.floor(n / 2 - half))
+    k = min(n, math.ceil(n / 2 + half) + 1)
+    mid = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+    return xs[j - 1], mid, xs[k - 1]
+
+
+def relative_half_width(times: Sequence[float]) -> Optional[float]:
+    """The median's interval half-width over the median; None while unknown."""
+    got = median_interval(times)
+    if got is None:
+        return None
+    low, mid, high = got
+    return (high - low) / 2 / mid if mid > 0 else None
+
+
+def enough(times: Sequence[float], tolerance: float) -> bool:
+    """Whether the timed steps so far pin the median to within ``tolerance`` (relative)."""
+    width = relative_half_width(times)
+    return width is not None and width <= tolerance
