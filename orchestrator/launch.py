@@ -80,6 +80,26 @@ def _failure_reason(err: Exception) -> str:
     return f"rank {rank}: {lines[rank]}"
 
 
+def start_workers_early(launch: Dict[str, Any]) -> str:
+    """Start what the trial's workers fork from, now, so that it imports while the driver still
+    validates, plans and creates the MLflow run; returns the start method.
+
+    With ``launch.start_method=forkserver`` (the default) the server imports torch and the trainer
+    once per driver process, and every worker of every later trial forks from it instead of
+    importing them again (seconds per trial). ``ensure_running`` only spawns it: its imports go
+    on in its own process, beside the driver's work, and the first fork waits for them. It never
+    touches a device, so a forked worker initialises CUDA or the NPU runtime as a fresh one.
+    Calling it again (the launch itself does) finds the server running."""
+    method = launch.get("start_method", "forkserver")
+    if method == "forkserver":
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+        forkserver.ensure_running()
+    return method
+
+
 def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: Dict[str, Any]) -> Dict[str, Any]:
     """Run ``trainers.loop.worker_entry`` in ``world_size`` local processes; rank 0's summary."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -87,14 +107,7 @@ def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
 
     from trainers.loop import worker_entry
 
-    method = launch.get("start_method", "forkserver")
-    if method == "forkserver":
-        # the server imports torch and the trainer once per driver process; every worker of every
-        # later trial forks from it instead of importing them again (seconds per trial). It never
-        # touches a device, so a forked worker initialises CUDA or the NPU runtime as a fresh one
-        import multiprocessing
-
-        multiprocessing.set_forkserver_preload(list(FORKSERVER_PRELOAD))
+    method = start_workers_early(launch)
     host = launch.get("master_addr", "127.0.0.1")
     port = int(launch.get("master_port") or 0) or free_port(host)
     config = LaunchConfig(

@@ -42,6 +42,8 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator import cache
+
 log = logging.getLogger("orchestrator")
 T = TypeVar("T")
 
@@ -248,10 +250,70 @@ def retrying(fn: Callable[[], T], what: str, budget_s: float = END_RUN_BUDGET_S)
 # ----------------------------------------------------------------------------- experiments and runs
 
 
+def _store_template(cache_dir: Path) -> Optional[Path]:
+    """An empty sqlite store migrated to the installed MLflow's schema, made once per MLflow
+    version under ``cache_dir``; None when it cannot be made there."""
+    import mlflow
+
+    template = cache_dir / f"mlflow-{mlflow.__version__}-empty.db"
+    if template.is_file():
+        return template
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache.tmp_name(template)
+        client("sqlite:///" + str(tmp)).search_experiments()  # MLflow creates and migrates it
+        os.replace(tmp, template)  # whole or not at all, for a process making it at the same time
+    except Exception as err:  # noqa: BLE001 - a cache: the store is then made by MLflow in place
+        log.debug("no MLflow store template in %s: %s", cache_dir, err)
+        return None
+    return template
+
+
+def seed_sqlite_store(uri: str, cache_dir: Optional[Path] = None) -> bool:
+    """Make a new sqlite store by copying an empty one already migrated, not by MLflow's ~50
+    schema migrations (about 4 s on a 2-core machine, on every trial's critical path when each
+    trial of a study or test writes a store of its own). The copy then holds what MLflow would
+    have written: its Default experiment, whose artifacts go to ``./mlruns/0`` of the working
+    directory. A file already there is left alone (also one another process made meanwhile: the
+    copy is linked in without replacing). True when the store was seeded.
+
+    ``cache_dir``: the template's folder, :func:`orchestrator.cache.root` unless given."""
+    path = sqlite_file(uri)
+    if path is None or path.exists():
+        return False
+    if cache_dir is None:
+        cache_dir = cache.root()
+    template = _store_template(cache_dir)
+    if template is None:
+        return False
+    import sqlite3
+
+    tmp = cache.tmp_name(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(template, tmp)
+        now = int(time.time() * 1000)
+        with contextlib.closing(sqlite3.connect(tmp)) as db, db:
+            db.execute(
+                "UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+                "WHERE experiment_id = 0",
+                (str(Path.cwd() / "mlruns" / "0"), now, now),
+            )
+        os.link(tmp, path)  # fails if the store appeared meanwhile: that one is kept
+        return True
+    except OSError as err:
+        log.debug("sqlite store %s not seeded: %s", path, err)
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
 def experiment_id(uri: str, name: str, artifact_location: Optional[str] = None) -> str:
     """The experiment ``name`` (created when missing), tagged as a model-training experiment for
     MLflow 3's UI; an experiment of ours from before the tag gets it now (a kind a user set is
-    left alone)."""
+    left alone). A sqlite store that does not exist yet is seeded (:func:`seed_sqlite_store`)."""
+    seed_sqlite_store(uri)
     c = client(uri)
     exp = c.get_experiment_by_name(name)
     if exp is None:

@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import chips, planner, ray_trial, sweep, tracking
-from orchestrator.launch import TrialFailed, launch_local, trial_nodes
+from orchestrator.launch import TrialFailed, launch_local, start_workers_early, trial_nodes
 from orchestrator.ray_trial import BoardSlot, Placement
 from orchestrator.validate import Layout, cluster_errors, layout, validate
 from trainers.config import TrialSpec
@@ -245,6 +245,8 @@ def start(
     tracking store that cannot be used.
     """
     resolved = resolve(cfg, launcher)
+    if resolved.path == "local":  # its workers' imports go on beside the preflight and the run's creation
+        start_workers_early(resolved.launch_section())
     if cfg.tracking.enabled:
         try:
             tracking.check_store(cfg.tracking)

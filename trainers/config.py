@@ -13,10 +13,22 @@ values it cannot honour. ``tests/test_schema.py`` walks every leaf key and holds
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Type, TypeVar, get_type_hints
 
 T = TypeVar("T")
+
+
+def default_cache_dir() -> Path:
+    """The project's cache folder (``data.cache_dir`` unset; the control plane's caches too):
+    ``$CHIP_ORCHESTRATOR_CACHE``, else ``$XDG_CACHE_HOME/chip-orchestrator``, else
+    ``~/.cache/chip-orchestrator``. Everything in it can be made again; deleting it is safe."""
+    if os.environ.get("CHIP_ORCHESTRATOR_CACHE"):
+        return Path(os.environ["CHIP_ORCHESTRATOR_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "chip-orchestrator"
 
 
 @dataclass
@@ -109,7 +121,7 @@ class DataConfig:
 
     name: str = "stdlib"  # stdlib | memmap | synthetic
     path: Optional[str] = None  # uint16 token file (data=memmap)
-    cache_dir: Optional[str] = None  # where the stdlib corpus is cached; default ~/.cache
+    cache_dir: Optional[str] = None  # where the stdlib corpus is cached; default: default_cache_dir()
     max_corpus_mb: int = 16
     val_fraction: float = 0.01  # the tail of the corpus held out for trainer.eval_every
     num_workers: int = 1

@@ -18,12 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from trainers.config import DataConfig
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "chip-orchestrator"
+from trainers.config import DataConfig, default_cache_dir
 
 
 def stdlib_sources() -> list[Path]:

@@ -17,13 +17,28 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator import cache
+
 
 @functools.lru_cache(maxsize=32)
 def _captured(model_json: str, seq_len: int, compute_dtype: str) -> Tuple[Tuple[str, int], ...]:
-    from trainers.ops import capture_ops
+    # seconds of tracing on the meta device (and torch's import) per trial otherwise: kept on disk
+    # under what decides the answer, the model, the shapes, torch and the trainer's own source
+    key = {
+        "model": json.loads(model_json),
+        "seq_len": seq_len,
+        "compute_dtype": compute_dtype,
+        "torch": cache.version("torch"),
+        "trainer": cache.trainer_source_digest(),
+    }
 
-    cap = capture_ops(json.loads(model_json), seq_len=seq_len, compute_dtype=compute_dtype)
-    return tuple(sorted(cap.counts.items()))
+    def capture() -> Dict[str, int]:
+        from trainers.ops import capture_ops
+
+        return capture_ops(json.loads(model_json), seq_len=seq_len, compute_dtype=compute_dtype).counts
+
+    counts = cache.json_entry("ops", key, capture)
+    return tuple(sorted((str(op), int(n)) for op, n in counts.items()))
 
 
 def captured_ops(model: DictConfig | Dict[str, Any], seq_len: int, compute_dtype: str) -> Dict[str, int]:

@@ -1,0 +1,108 @@
+"""The orchestrator's caches (orchestrator/cache.py): made once, read back by their key only, never an error,
+and what they stand for is what MLflow or the planner would have made in place."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from orchestrator import cache, tracking
+from orchestrator.planner import ops
+
+
+def test_an_entry_is_made_once_per_key_and_a_broken_one_is_made_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHIP_ORCHESTRATOR_CACHE", str(tmp_path / "c"))
+    made = []
+
+    def make(v):
+        return lambda: made.append(v) or {"v": v}
+
+    assert cache.json_entry("k", {"a": 1}, make(1)) == {"v": 1}
+    assert cache.json_entry("k", {"a": 1}, make(2)) == {"v": 1}  # read back, not made
+    assert cache.json_entry("k", {"a": 2}, make(3)) == {"v": 3}  # another key
+    assert made == [1, 3]
+    (entry,) = [p for p in (tmp_path / "c" / "k").iterdir() if '"a": 1' in p.read_text()]
+    entry.write_text("{half a fi")
+    assert cache.json_entry("k", {"a": 1}, make(4)) == {"v": 4} and made[-1] == 4
+    assert not [p for p in (tmp_path / "c" / "k").iterdir() if p.name.startswith(".")]  # no temporaries left
+
+
+def test_an_unwritable_cache_still_gives_the_value(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("CHIP_ORCHESTRATOR_CACHE", str(blocker / "c"))
+    assert cache.json_entry("k", 1, lambda: [1, 2]) == [1, 2]
+    assert tracking.seed_sqlite_store("sqlite:///" + str(tmp_path / "m.db")) is False  # MLflow makes it then
+
+
+def test_the_operator_capture_is_read_from_disk_and_keyed_by_the_trainer_source(compose_cfg, tmp_path, monkeypatch):
+    monkeypatch.setenv("CHIP_ORCHESTRATOR_CACHE", str(tmp_path))
+    cfg = compose_cfg(["+chip=cpu", "trainer=smoke"])
+    ops._captured.cache_clear()
+    first = ops.captured_ops(cfg.model, cfg.trainer.seq_len, "bf16")
+    assert first and len(list((tmp_path / "ops").glob("*.json"))) == 1
+
+    def no_capture(*a, **k):
+        raise AssertionError("captured again")
+
+    import trainers.ops
+
+    monkeypatch.setattr(trainers.ops, "capture_ops", no_capture)
+    ops._captured.cache_clear()  # a new process: only the disk has it
+    assert ops.captured_ops(cfg.model, cfg.trainer.seq_len, "bf16") == first
+    monkeypatch.setattr(cache, "trainer_source_digest", lambda: "another trainer")
+    ops._captured.cache_clear()
+    with pytest.raises(AssertionError, match="captured again"):  # a changed trainer is traced anew
+        ops.captured_ops(cfg.model, cfg.trainer.seq_len, "bf16")
+    ops._captured.cache_clear()
+
+
+def _schema(db: Path):
+    with sqlite3.connect(db) as c:
+        tables = sorted(r[0] for r in c.execute("select name from sqlite_master where type='table'"))
+        return tables, list(c.execute("select version_num from alembic_version"))
+
+
+def test_a_seeded_store_is_the_store_mlflow_makes(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHIP_ORCHESTRATOR_CACHE", str(tmp_path / "cache"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    own = tmp_path / "own.db"
+    tracking.client("sqlite:///" + str(own)).search_experiments()  # made by MLflow, migrations and all
+    uri = "sqlite:///" + str(tmp_path / "new" / "seeded.db")
+    assert tracking.seed_sqlite_store(uri) is True
+    assert _schema(tmp_path / "new" / "seeded.db") == _schema(own)
+    c = tracking.client(uri)
+    (default,) = c.search_experiments()
+    assert default.name == "Default" and default.artifact_location == str(work / "mlruns" / "0")  # not the template's
+    exp = tracking.experiment_id(uri, "orchestrator")
+    run = c.create_run(exp)
+    c.log_metric(run.info.run_id, "loss", 1.5, step=0)
+    assert c.get_metric_history(run.info.run_id, "loss")[0].value == 1.5
+    before = (tmp_path / "new" / "seeded.db").read_bytes()
+    assert tracking.seed_sqlite_store(uri) is False  # a store already there is left alone
+    assert (tmp_path / "new" / "seeded.db").read_bytes() == before
+    assert not tracking.seed_sqlite_store("http://127.0.0.1:1") and not tracking.seed_sqlite_store("sqlite://")
+    assert not [p for p in (tmp_path / "new").iterdir() if p.name.startswith(".")]
+
+
+def test_workers_start_early_from_one_forkserver():
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from orchestrator.launch import FORKSERVER_PRELOAD, start_workers_early
+
+    assert start_workers_early({"start_method": "spawn"}) == "spawn"
+    assert start_workers_early({"start_method": "forkserver"}) == "forkserver"
+    pid = forkserver._forkserver._forkserver_pid
+    assert pid is not None and forkserver._forkserver._preload_modules == list(FORKSERVER_PRELOAD)
+    start_workers_early({})  # the launch's own call finds it running
+    assert forkserver._forkserver._forkserver_pid == pid
+    ctx = multiprocessing.get_context("forkserver")
+    p = ctx.Process(target=int)
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
