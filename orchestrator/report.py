@@ -53,7 +53,13 @@ def markdown(data: Dict[str, Any]) -> str:
     if t:
         lines.append(
             f"- trials: {t.get('launched', 0)} launched, {t.get('reused', 0)} reused from MLflow, "
-            f"{t.get('pruned', 0)} pruned before launch; {t.get('trial_seconds', 0.0):.1f} trial-seconds"
+            f"{t.get('pruned', 0)} pruned before launch, {t.get('predicted_skips', 0)} skipped as predicted slower; "
+            f"{t.get('trial_seconds', 0.0):.1f} trial-seconds"
+        )
+    if data.get("planner_error") is not None:
+        lines.append(
+            f"- the planner's step-time error on the measured points (largest error of a predicted ratio): "
+            f"{100 * data['planner_error']:.1f}%"
         )
     if data.get("outcome") not in (None, "finished"):
         lines.append(f"- outcome: **{data['outcome']}**")
@@ -95,7 +101,8 @@ def markdown(data: Dict[str, Any]) -> str:
     lines += ["", "## What did not", ""]
     lines += [f"- [ ] {h}" for h in data["did_not_help"]] or ["- (every change tried helped)"]
     if data.get("skipped"):
-        lines += ["", "## Not measured: no effect on the incumbent", ""] + [f"- {s}" for s in data["skipped"]]
+        lines += ["", "## Not measured: no effect on the incumbent, or predicted slower", ""]
+        lines += [f"- {s}" for s in data["skipped"]]
     plots = data.get("plots") or []
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
@@ -274,6 +281,8 @@ def attach(uri: str, run_id: str, files: List[Path], data: Dict[str, Any]) -> No
             "trials_launched": t.get("launched"),
             "trials_reused": t.get("reused"),
             "trials_pruned": t.get("pruned"),
+            "trials_predicted_skips": t.get("predicted_skips"),
+            "planner_error": data.get("planner_error"),
             "trial_seconds": t.get("trial_seconds"),
         },
     )

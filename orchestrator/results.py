@@ -120,6 +120,7 @@ class Point:
     losses: Dict[str, List[float]] = field(default_factory=dict)  # run id -> per-step loss
     diverged: Optional[str] = None
     labels: Dict[str, str] = field(default_factory=dict)  # what distinguishes it in a study: KEY -> value
+    predicted_step_s: Optional[float] = None  # the planner's step time for it (orchestrator.planner)
 
     @property
     def value(self) -> Optional[float]:

@@ -10,6 +10,10 @@ the configured launcher; the fastest candidate that passes the quality gate is a
 speedup over the current best is at least ``max(min_speedup, 1 + noise)``, where the noise is the
 spread of the baseline's repeats. Further passes run while the last one adopted something.
 
+With a step-time objective the planner orders each variable's candidates (predicted best first)
+and skips one it predicts slower than the incumbent by more than its own error on the points
+measured so far (``planner_skip``; :func:`model_error`, :func:`planner_verdict`).
+
 Every point is first checked as a trial would check it (rules, launch limits, the planner's
 memory and operator coverage): one that cannot run is recorded in MLflow and never launched.
 Measurements come back from MLflow by config hash, so re-running a study reuses the trials that
@@ -22,6 +26,7 @@ The sweep's parent run (``orchestrator.sweep``) gets the tuning report: ``tuning
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from collections import OrderedDict
@@ -64,6 +69,7 @@ class Study:
     loss_band: float = 0.05
     passes: int = 1
     resume: bool = True
+    planner_skip: bool = True
     space: str = "params"  # the sweeper key the variables came from (params, or its alias variables)
 
     def overrides(self, assignment: Dict[str, str]) -> List[str]:
@@ -153,6 +159,7 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
         loss_band=float(spec.get("loss_band", 0.05)),
         passes=int(spec.get("passes", 1)),
         resume=bool(spec.get("resume", True)),
+        planner_skip=bool(spec.get("planner_skip", True)),
         space=where,
     )
     if not study.objective:
@@ -180,6 +187,53 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
             "lower" if expected else "higher",
         )
     return study
+
+
+# objectives the planner predicts, as the power of the step time they go with
+PREDICTED = {"step_time_median_s": 1, "tokens_per_s_median": -1}
+
+
+def predicted(point: Point, objective: str) -> Optional[float]:
+    """The planner's value of ``objective`` for the point (in its own units: the planner's step
+    time can be off by a constant factor on a given machine), or None when it predicts none."""
+    power = PREDICTED.get(objective)
+    t = point.predicted_step_s
+    if power is None or not t or t <= 0:
+        return None
+    return t**power
+
+
+def model_error(points: Sequence[Point], objective: str) -> Optional[float]:
+    """The planner's own error on the points measured so far, as the largest relative error of a
+    predicted ratio between two of them (the constant factor between its step times and the
+    machine's drops out): ``max_ij |(pred_i / pred_j) / (meas_i / meas_j) - 1|``. None with fewer
+    than two points both predicted and measured."""
+    logs = []
+    for p in points:
+        pred = predicted(p, objective)
+        if pred is not None and p.status == tracking.STATUS_OK and p.value and p.value > 0:
+            logs.append(math.log(pred / p.value))
+    if len(logs) < 2:
+        return None
+    return math.exp(max(logs) - min(logs)) - 1.0
+
+
+def planner_verdict(
+    point: Point, incumbent: Point, study: Study, error: Optional[float]
+) -> Tuple[Optional[float], Optional[str]]:
+    """(the planner's speedup of ``point`` over the incumbent, why it is skipped or None). A point
+    is skipped when, even with the planner's measured ``error`` in its favour, it would be slower
+    than the incumbent: predicted S * (1 + error) < 1."""
+    pc, pi = predicted(point, study.objective), predicted(incumbent, study.objective)
+    if pc is None or pi is None:
+        return None, None
+    s_pred = results.speedup(pi, pc, study.direction)
+    if not study.planner_skip or error is None or s_pred is None or s_pred * (1.0 + error) >= 1.0:
+        return s_pred, None
+    return s_pred, (
+        f"skipped, predicted slower: the planner's S={s_pred:.3f} vs the incumbent, and its error on "
+        f"the points measured so far is {error:.1%}"
+    )
 
 
 def judge(point: Point, baseline: Point, incumbent: Point, study: Study, threshold: float) -> Tuple[bool, str]:
@@ -230,6 +284,7 @@ class Runner:
             return known
         p = Point(plan["config_hash"], overrides)
         p.labels = dict(assignment)
+        p.predicted_step_s = ((plan.get("preflight") or {}).get("step") or {}).get("step_time_s")
         if plan["status"] != "ready":
             # recorded in the sweep, never launched
             p.status, p.reason = plan["status"], "; ".join(plan["reasons"])
@@ -391,6 +446,13 @@ def _skip_row(step: int, pass_: int, variable: str, why: str) -> Dict[str, Any]:
     }
 
 
+def _planned_row(step: int, pass_: int, variable: str, value: str, p: Point, study: Study, why: str) -> Dict[str, Any]:
+    """A candidate the planner ruled out, never launched."""
+    row = _skip_row(step, pass_, variable, why)
+    row.update(value=value, decision=why, config_hash=p.config_hash, overrides=list(p.overrides))
+    return row
+
+
 def descend(study: Study, runner: Runner) -> Dict[str, Any]:
     """Coordinate descent; returns the tuning report's data (see orchestrator.report.render).
     A variable whose candidates would all run the same trial on the incumbent (the layout rules
@@ -437,6 +499,7 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
             threshold,
         )
     step = 0
+    predicted_skips = 0
     for pass_ in range(1, study.passes + 1):
         if outcome != "finished":
             break
@@ -450,6 +513,22 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
                 log.info("ovat: [pass %d] %s skipped, no effect on the incumbent: %s", pass_, key, why)
                 continue
             cands = [(v, runner.point({**current, key: v})) for v in study.variables[key] if v != current[key]]
+            # the planner's order (predicted best first), and its skips: candidates it predicts
+            # slower than the incumbent by more than its own error on what was measured so far
+            error = model_error(list(runner.points.values()), study.objective)
+            plans = {id(p): planner_verdict(p, incumbent, study, error) for _, p in cands}
+            for _, p in cands:  # a candidate measured already (the first batch, an earlier pass) is judged as it is
+                if p.status != "pending":
+                    plans[id(p)] = (plans[id(p)][0], None)
+            cands.sort(key=lambda vp: -(plans[id(vp[1])][0] or 0.0))
+            for v, p in [vp for vp in cands if plans[id(vp[1])][1]]:
+                step += 1
+                why = plans[id(p)][1]
+                rows.append(_planned_row(step, pass_, key, v, p, study, why))
+                skipped.append(f"{key}={v}: {why}")
+                predicted_skips += 1
+                log.info("ovat: [pass %d] %s=%s %s", pass_, key, v, why)
+            cands = [vp for vp in cands if not plans[id(vp[1])][1]]
             runner.measure([p for _, p in cands])
             verdicts = [(v, p, *judge(p, baseline, incumbent, study, threshold)) for v, p in cands]
             wins = [(v, p) for v, p, ok, _ in verdicts if ok]
@@ -519,7 +598,13 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
         "did_not_help": did_not,
         "skipped": skipped,
         "curves": {label: p.losses.get(p.run_ids[0], []) if p.run_ids else [] for label, p in finalists},
-        "trials": {"launched": runner.launched, "reused": runner.reused, "pruned": runner.pruned},
+        "trials": {
+            "launched": runner.launched,
+            "reused": runner.reused,
+            "pruned": runner.pruned,
+            "predicted_skips": predicted_skips,
+        },
+        "planner_error": model_error(list(runner.points.values()), study.objective),
     }
 
 

@@ -26,6 +26,9 @@ class OvatSweeperConf:
     loss_band: float = 0.05  # quality gate: final loss within this fraction of the baseline's
     passes: int = 1  # passes over the variables; another pass runs only if the last adopted a change
     resume: bool = True  # reuse finished trials in MLflow with the same config hash
+    # with a step-time objective: measure each variable's candidates in the planner's predicted order,
+    # and skip one predicted slower than the incumbent by more than the planner's own measured error
+    planner_skip: bool = True
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="ovat", node=OvatSweeperConf, provider="chip-orchestrator")
