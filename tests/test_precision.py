@@ -61,3 +61,49 @@ def test_disabled_scaler_is_identity():
     loss = torch.tensor(3.0)
     assert s.scale_loss(loss) is loss and s.all_finite([_param(float("nan"))])
     assert grad_multiplier(s, grad_norm=0.5, max_norm=1.0) == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_the_finite_probe_sees_any_non_finite_value(dtype, bad):
+    from trainers.monitor import finite_probe
+
+    x = torch.randn(4, 8, 16).to(dtype)
+    assert torch.isfinite(finite_probe(x))
+    x[2, 3, 5] = bad
+    assert not torch.isfinite(finite_probe(x))
+    # fp16 values whose sum is far past fp16's range are still finite: the probe sums in fp32
+    assert torch.isfinite(finite_probe(torch.full((4096,), 60000.0, dtype=torch.float16)))
+
+
+class _Poison(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x):
+        return x * float("nan") if self.armed else x + 1
+
+
+def test_the_tracker_names_the_first_non_finite_block_of_any_micro_batch():
+    from trainers.monitor import FiniteTracker
+
+    part = torch.nn.Module()
+    part.layers = torch.nn.ModuleDict({"2": _Poison(), "5": _Poison(), "7": _Poison()})  # a pipeline stage's blocks
+    tracker = FiniteTracker([part], torch.device("cpu"))
+
+    def micro_batch():
+        x = torch.ones(3)
+        for name in ("2", "5", "7"):
+            x = part.layers[name](x)
+
+    micro_batch()
+    assert tracker.first_layer() is None
+    part.layers["5"].armed = True  # the second micro-batch goes bad at block 5 (and so after it)
+    micro_batch()
+    part.layers["5"].armed = False
+    micro_batch()  # a clean micro-batch later in the step does not hide it
+    assert tracker.first_layer() == 5
+    tracker.reset()
+    micro_batch()
+    assert tracker.first_layer() is None

