@@ -202,7 +202,7 @@ def losses_at_common_step(point: "Point", baseline: "Point") -> Optional[Tuple[f
     """(point's, baseline's median training loss, steps) at the last step every repeat of both
     ran, when their repeats ran different numbers of steps; None when all ran the same (the
     final losses compare) or a history is missing."""
-    histories = [h for h in (*point.losses.values(), *baseline.losses.values())]
+    histories = [*point.losses.values(), *baseline.losses.values()]
     if not point.losses or not baseline.losses or not all(histories):
         return None
     lengths = {len(h) for h in histories}

@@ -269,21 +269,18 @@ def _store_template(cache_dir: Path) -> Optional[Path]:
     return template
 
 
-def seed_sqlite_store(uri: str, cache_dir: Optional[Path] = None) -> bool:
+def seed_sqlite_store(uri: str) -> bool:
     """Make a new sqlite store by copying an empty one already migrated, not by MLflow's ~50
     schema migrations (about 4 s on a 2-core machine, on every trial's critical path when each
     trial of a study or test writes a store of its own). The copy then holds what MLflow would
     have written: its Default experiment, whose artifacts go to ``./mlruns/0`` of the working
     directory. A file already there is left alone (also one another process made meanwhile: the
-    copy is linked in without replacing). True when the store was seeded.
-
-    ``cache_dir``: the template's folder, :func:`orchestrator.cache.root` unless given."""
+    copy is linked in without replacing). True when the store was seeded. The template is kept in
+    :func:`orchestrator.cache.root`."""
     path = sqlite_file(uri)
     if path is None or path.exists():
         return False
-    if cache_dir is None:
-        cache_dir = cache.root()
-    template = _store_template(cache_dir)
+    template = _store_template(cache.root())
     if template is None:
         return False
     import sqlite3

@@ -245,13 +245,13 @@ def start(
     tracking store that cannot be used.
     """
     resolved = resolve(cfg, launcher)
-    if resolved.path == "local":  # its workers' imports go on beside the preflight and the run's creation
-        start_workers_early(resolved.launch_section())
     if cfg.tracking.enabled:
         try:
             tracking.check_store(cfg.tracking)
         except tracking.StoreUnreachable as err:
             raise ConfigError([str(err)]) from None
+    if resolved.path == "local":  # its workers' imports go on beside the preflight and the run's creation
+        start_workers_early(resolved.launch_section())
     overrides = list(overrides)
     lay = resolved.layout
     report = _preflight(cfg)

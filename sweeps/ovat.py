@@ -116,6 +116,7 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
             values = [_as_override_value(cands)]
         variables[str(key)] = values
     fixed: List[str] = []
+    fixed_values: Dict[str, Any] = {}  # key -> value of each plain override, as Hydra parsed it
     for ov in parser.parse_overrides(list(arguments)):
         key = ov.get_key_element()
         if ov.is_sweep_override():
@@ -129,6 +130,7 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
         else:
             variables.pop(key, None)
             fixed.append(ov.input_line)
+            fixed_values[ov.key_or_group] = None if ov.is_delete() else ov.value()
     for key, values in list(variables.items()):
         unique = list(OrderedDict.fromkeys(values))
         if len(unique) < 2:
@@ -142,8 +144,8 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
             "KEY=a,b,c on the command line"
         )
     min_speedup = float(spec.get("min_speedup", 1.0))
-    keys = {line.split("=", 1)[0].lstrip("+~") for line in fixed}
-    if "trainer.measure=adaptive" in fixed and "trainer.measure_tolerance" not in keys and min_speedup > 1.0:
+    adaptive = fixed_values.get("trainer.measure") == "adaptive"
+    if adaptive and "trainer.measure_tolerance" not in fixed_values and min_speedup > 1.0:
         # adaptive trials measure until the median is known to within half the smallest speedup
         # the study counts as a win: an interval that narrow cannot turn a tie into a win (with no
         # min_speedup above 1, trainer.measure_tolerance keeps its default)
@@ -516,10 +518,10 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
             # the planner's order (predicted best first), and its skips: candidates it predicts
             # slower than the incumbent by more than its own error on what was measured so far
             error = model_error(list(runner.points.values()), study.objective)
-            plans = {id(p): planner_verdict(p, incumbent, study, error) for _, p in cands}
-            for _, p in cands:  # a candidate measured already (the first batch, an earlier pass) is judged as it is
-                if p.status != "pending":
-                    plans[id(p)] = (plans[id(p)][0], None)
+            # a candidate measured already (the first batch, an earlier pass) is judged on that: no skip
+            plans = {
+                id(p): planner_verdict(p, incumbent, study, error if p.status == "pending" else None) for _, p in cands
+            }
             cands.sort(key=lambda vp: -(plans[id(vp[1])][0] or 0.0))
             for v, p in [vp for vp in cands if plans[id(vp[1])][1]]:
                 step += 1

@@ -104,3 +104,5 @@ def test_an_adaptive_study_measures_to_half_its_smallest_win():
     assert parse_study(spec, [], parser, "s").fixed == []  # fixed measuring: nothing added
     no_win = dict(spec, min_speedup=1.0)  # no smallest win to halve: the default tolerance holds
     assert parse_study(no_win, ["trainer.measure=adaptive"], parser, "s").fixed == ["trainer.measure=adaptive"]
+    quoted = parse_study(spec, ["trainer.measure='adaptive'"], parser, "s")  # the parsed value, however spelled
+    assert quoted.fixed == ["trainer.measure='adaptive'", "trainer.measure_tolerance=0.02"]

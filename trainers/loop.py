@@ -218,11 +218,12 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         if rank == 0:
             reporter.on_step(step, dt)
         done = step + 1
-        if step >= targs.warmup_steps:
+        if step >= targs.warmup_steps:  # on every rank: the count gates the collective below
             timed_steps.append(dt)
         measured = False
         if targs.measure == "adaptive" and done < targs.steps and len(timed_steps) >= measure.MIN_TIMED:
-            measured = _agree(measure.enough(timed_steps, targs.measure_tolerance), device, world)
+            # rank 0 decides (its times); the others only take its answer
+            measured = _agree(rank == 0 and measure.enough(timed_steps, targs.measure_tolerance), device, world)
         due = targs.checkpoint_every > 0 and targs.checkpoint_dir and done % targs.checkpoint_every == 0
         if done % max(1, targs.log_every) == 0 or done == targs.steps or due or measured:
             flush()
