@@ -44,10 +44,15 @@ def test_report_of_a_grid_sweep(store, tmp_path):
     for r in rows:
         if r["labels"]["trainer.lr"] == "0.3":
             assert "diverged" in r["decision"] and not r["adopted"]
+    # the grid's pick is the fastest sound point, whichever micro-batch measured faster on this
+    # (loaded, shared) machine: the test is about the rule, not about which config wins
+    fastest = min((r for r in rows if r["labels"]["trainer.lr"] == "0.003"), key=lambda r: r["objective"])
     (chosen,) = [r for r in rows if r["adopted"]]
-    assert chosen["labels"] == {**chosen["labels"], "trainer.micro_batch": "8", "trainer.lr": "0.003"}
+    mb = fastest["labels"]["trainer.micro_batch"]
+    assert chosen["labels"] == {**chosen["labels"], "trainer.micro_batch": mb, "trainer.lr": "0.003"}
     assert chosen["s_base"] == pytest.approx(rows[0]["objective"] / chosen["objective"])
-    assert any(h.startswith("trainer.micro_batch=8") for h in data["helped"])
+    if mb != rows[0]["labels"]["trainer.micro_batch"]:
+        assert any(h.startswith(f"trainer.micro_batch={mb}") for h in data["helped"])
     assert any(h.startswith("trainer.lr=0.3") and "diverged" in h for h in data["did_not_help"])
     md = (out / "tuning_report.md").read_text()
     assert "| step |" in md and data["final"]["command"] in md
@@ -73,7 +78,8 @@ def test_best_picks_the_fastest_sound_run_and_its_command_reproduces_it(store, t
     got = json.loads(capsys.readouterr().out)
     assert got["run_id"] == expected.info.run_id and got["objective"] == "step_time_median_s"
     assert got["value"] == pytest.approx(expected.data.metrics["step_time_median_s"])
-    assert "trainer.micro_batch=8" in got["overrides"] and "trainer.lr=0.003" in got["overrides"]
+    mb = expected.data.params["trainer.micro_batch"]  # whichever measured faster here
+    assert f"trainer.micro_batch={mb}" in got["overrides"] and "trainer.lr=0.003" in got["overrides"]
     assert got["command"].startswith("python -m orchestrator ")
     assert {e["run_id"] for e in got["excluded"] if "diverged" in e["reason"]} == {r.info.run_id for r in diverging}
     assert crashed.info.run_id not in {e["run_id"] for e in got["excluded"]}  # not finished: never considered
