@@ -76,6 +76,7 @@ NON_NEGATIVE = (
     "data.num_workers",
     "launch.master_port",
     "precision.monitor",
+    "trainer.fault.straggle_s",
 )
 
 

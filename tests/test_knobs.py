@@ -1,7 +1,7 @@
 """Keys that act, each with a test that fails when the key is ignored: ``precision.loss_scale=static``,
 ``precision.param_dtype`` and ``master_weights_fp32``, ``comm.overlap`` (with ``comm.bucket_mb``),
-``trainer.eval_every`` / ``eval_batches``, ``model.dropout``, ``precision.fp32_ops``; and the
-validator's refusals of what the trainer cannot honour.
+``trainer.eval_every`` / ``eval_batches``, ``model.dropout``, ``precision.fp32_ops``, the straggler
+drill ``trainer.fault.straggle_s``; and the validator's refusals of what the trainer cannot honour.
 
 Single-process tests run ``trainers.loop.train`` here; ``distributed`` ones launch gloo workers
 and compare with the single-process reference (1e-5 relative, as tests/test_parallel.py).
@@ -268,6 +268,19 @@ def test_the_trainer_follows_fp32_ops(compose_cfg, op):
         assert rec.seen[op] == {want}, (listed, rec.seen)
 
 
+# --- trainer.fault.straggle_s ---------------------------------------------------------------------
+
+
+def test_a_straggler_is_late_to_every_step_and_changes_no_number(compose_cfg):
+    """Rank 0 sleeps straggle_s inside each timed step: every step time is at least that (a
+    bound, not a race: a step cannot take less than its sleep), and the losses are those of the
+    run without it. Ignored, the step times of gpt_tiny on this machine are far below 1 s."""
+    plain, plain_rows = _train(compose_cfg, ["trainer.steps=2", "trainer.warmup_steps=0"])
+    late, late_rows = _train(compose_cfg, ["trainer.steps=2", "trainer.warmup_steps=0", "trainer.fault.straggle_s=1.0"])
+    assert all(r["step_time_s"] >= 1.0 for r in late_rows), [r["step_time_s"] for r in late_rows]
+    assert [r["loss"] for r in late_rows] == [r["loss"] for r in plain_rows]
+
+
 # --- the validator ---------------------------------------------------------------------------------
 
 REFUSED = [
@@ -278,6 +291,7 @@ REFUSED = [
     (["parallel=dp2", "comm.overlap=false", "comm.compression=fp16"], "comm.overlap=false with comm.compression=fp16"),
     (["trainer.eval_every=5", "data.val_fraction=0"], "trainer.eval_every=5 needs a held-out split"),
     (["trainer.eval_every=5", "trainer.eval_batches=0"], "trainer.eval_batches=0"),
+    (["trainer.fault.straggle_s=-1"], "trainer.fault.straggle_s=-1"),
 ]
 
 

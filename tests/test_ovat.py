@@ -14,17 +14,20 @@ from orchestrator.results import Point
 from sweeps.ovat import Study, StudyError, judge, parse_study
 from tests.conftest import ROOT, TableRunner, run_cli, search_runs
 
-# the shipped preset (micro-batch, precision) reshaped from the command line: micro-batches of 1
-# against one of 8 (8 accumulation steps against 1: a sure win), a learning rate that cannot reach
-# the baseline's loss in 8 steps (the quality gate), a tensor-parallel size that does not divide
-# the model (pruned before launch), and a fault drill that kills rank 0 at step 2 (a crash)
+# the shipped preset reshaped from the command line: micro-batches of 8 fixed, and as the first
+# variable a straggler planted in the baseline (rank 0 0.3 s late to every step, trainer.fault.
+# straggle_s) against none: a win no load on the machine can hide, where micro-batch 1 against 8
+# lost to noise on a busy 2-core machine; a learning rate that cannot reach the baseline's loss in
+# 8 steps (the quality gate), a tensor-parallel size that does not divide the model (pruned before
+# launch), and a fault drill that kills rank 0 at step 2 (a crash)
 STUDY = [  # no -m: the preset sets multirun itself
     "+sweep=cpu_smoke",
     "+chip=cpu",
     "trainer.steps=8",
     "precision=fp32",
     "trainer.fault.kill_rank=0",
-    "trainer.micro_batch=1,8",
+    "trainer.micro_batch=8",
+    "trainer.fault.straggle_s=0.3,0",
     "trainer.lr=0.003,0.00001",
     "parallel.tp=1,3",
     "trainer.fault.at_step=-1,2",
@@ -51,28 +54,28 @@ def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
     tags = parent.data.tags
     assert tags["sweep.sweeper"] == "ovat" and tags["ovat.study"] == "cpu_smoke"
     assert parent.info.status == "FINISHED"
-    assert "trainer.micro_batch=8" in tags["tuning.command"] and "trainer.lr=0.003" in tags["tuning.command"]
+    assert "trainer.fault.straggle_s=0" in tags["tuning.command"] and "trainer.lr=0.003" in tags["tuning.command"]
 
     data = json.loads(open(_artifact(uri, parent.info.run_id, "tuning_report.json", tmp_path)).read())
     assert [v["key"] for v in data["variables"]] == [
-        "trainer.micro_batch",
+        "trainer.fault.straggle_s",
         "trainer.lr",
         "parallel.tp",
         "trainer.fault.at_step",
     ]
     assert data["final"]["assignment"] == {
-        "trainer.micro_batch": "8",
+        "trainer.fault.straggle_s": "0",
         "trainer.lr": "0.003",
         "parallel.tp": "1",
         "trainer.fault.at_step": "-1",
     }
     rows = {(r["variable"], r["value"]): r for r in data["rows"]}
-    base = rows[("(baseline)", "trainer.micro_batch=1 trainer.lr=0.003 parallel.tp=1 trainer.fault.at_step=-1")]
+    base = rows[("(baseline)", "trainer.fault.straggle_s=0.3 trainer.lr=0.003 parallel.tp=1 trainer.fault.at_step=-1")]
     assert base["n"] == 2 and base["decision"] == "baseline"
-    mb8 = rows[("trainer.micro_batch", "8")]
-    assert mb8["adopted"] and mb8["decision"].startswith("adopted") and mb8["n"] == 2
+    unplanted = rows[("trainer.fault.straggle_s", "0")]
+    assert unplanted["adopted"] and unplanted["decision"].startswith("adopted") and unplanted["n"] == 2
     # S = T_baseline / T, from the medians of the repeats
-    assert mb8["s_base"] == pytest.approx(base["objective"] / mb8["objective"])
+    assert unplanted["s_base"] == pytest.approx(base["objective"] / unplanted["objective"])
     slow_lr = rows[("trainer.lr", "1e-05")]
     assert not slow_lr["adopted"] and "quality gate" in slow_lr["decision"]
     tp3 = rows[("parallel.tp", "3")]
@@ -83,8 +86,8 @@ def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
     assert data["trials"]["trial_seconds"] > 0
 
     md = open(_artifact(uri, parent.info.run_id, "tuning_report.md", tmp_path)).read()
-    assert "## What helped" in md and "trainer.micro_batch=8" in md and "python -m orchestrator" in md
-    for name in ("objective_trainer.micro_batch.png", "objective_trainer.lr.png", "loss_curves.png"):
+    assert "## What helped" in md and "trainer.fault.straggle_s=0" in md and "python -m orchestrator" in md
+    for name in ("objective_trainer.fault.straggle_s.png", "objective_trainer.lr.png", "loss_curves.png"):
         png = open(_artifact(uri, parent.info.run_id, f"plots/{name}", tmp_path), "rb").read()
         assert png[:8] == b"\x89PNG\r\n\x1a\n", name
 
@@ -113,7 +116,7 @@ def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
         )
         == 0
     )
-    assert "trainer.micro_batch" in (out / "tuning_report.md").read_text()
+    assert "trainer.fault.straggle_s" in (out / "tuning_report.md").read_text()
     assert (out / "loss_curves.png").is_file()
 
 

@@ -134,13 +134,18 @@ class FaultConfig:
     with ``inject=hang`` hangs it: alive, in no further collective, so a peer's collective times
     out after ``comm.timeout_s`` and the trial ends ``timeout``. The NaN drill (nan_layer,
     nan_at_step) takes inject=nan or overflow; inject=hang is the rank drill's and needs
-    kill_rank and at_step set, nan_at_step not (``orchestrator/validate.py``)."""
+    kill_rank and at_step set, nan_at_step not (``orchestrator/validate.py``). The straggler drill
+    (straggle_s) delays rank 0 in every step."""
 
     kill_rank: int = -1  # this rank dies (inject=hang: hangs) ...
     at_step: int = -1  # ... at this step (once per trial); -1 = off
     nan_layer: int = -1  # this block's output gets a NaN (inject=nan), or x1e5 through fp16 (overflow)
     nan_at_step: int = -1  # ... at this step
     inject: str = "nan"  # nan | overflow (the NaN drill's kind) | hang (the rank drill hangs instead of dying)
+    # a straggler: rank 0 is this many seconds late to every step (a slow host or device), which
+    # every rank's step then waits for at its first collective; 0 = off. A planted slowdown no
+    # measurement noise can hide, for testing the tuner's decision rules
+    straggle_s: float = 0.0
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Chaos drills (``trainer.fault.*``): a rank killed at a step, or hung there (it stays alive
 but takes part in no further collective, so its peers' collectives time out), a NaN or an fp16
-overflow injected into one block's output at a step."""
+overflow injected into one block's output at a step, a straggling rank 0 (late to every step)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,13 @@ def rank_drill(step: int, rank: int, fault: FaultConfig, marker_dir: Optional[st
         while True:  # a SIGTERM or SIGKILL from the launcher ends it
             time.sleep(3600)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def straggle(rank: int, fault: FaultConfig) -> None:
+    """Rank 0 is ``fault.straggle_s`` late to the step, as a slow host or device would be; its
+    peers wait for it at the step's first collective, so every rank's step time carries it."""
+    if rank == 0 and fault.straggle_s > 0:
+        time.sleep(fault.straggle_s)
 
 
 def _inject_hook(trainer_step: List[int], at_step: int, inject: str):

@@ -162,6 +162,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         monitor.begin(step)
         tracker.reset()
         t0 = time.perf_counter()
+        faults.straggle(rank, targs.fault)
         lr = lr_at(step, targs)
         for opt in optims:
             for group in opt.param_groups:
