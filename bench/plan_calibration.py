@@ -9,7 +9,9 @@ times of the presets not held out (``orchestrator.planner.calibrate``), and prin
 measured and predicted step time, the planned and measured peak memory, and two verdicts: the
 fit's median relative error and Spearman's rho on the presets it was fitted to (optimistic: with
 as many presets as factors it is ~0 by construction), and the same on the held-out presets, the
-figure to judge the model by. A preset the trainer cannot run is reported and left out.
+figure to judge the model by; then every preset predicted by a fit to all the others (leave one
+layout out, ``orchestrator.planner.cross_validate``), so the ranking is judged over every layout
+that ran. A preset the trainer cannot run is reported and left out.
 
 Every worker runs ``--threads`` intra-op threads (``OMP_NUM_THREADS``; torch's elastic launcher
 gives one to each of several workers, a lone worker would take every core): a one-process trial
@@ -124,6 +126,15 @@ def main() -> None:
         )
     else:
         print("held-out: none (give --held-out presets that ran)")
+    # every layout predicted by a fit to the others (leave one layout out): as many held-out
+    # layouts as ran, so rho ranks all of them, not the two or three of one split
+    loo = planner.cross_validate(trials, _compose(common).planner)
+    if loo.n_runs:
+        print(
+            f"leave one layout out: median |relative error| {100 * loo.median_abs_rel_error:.1f}%, largest "
+            f"{100 * loo.max_abs_rel_error:.1f}%, Spearman rho {_rho(loo.spearman_rho)} over {loo.n_runs} layouts, "
+            f"each predicted by a fit to the others"
+        )
     print(f"MLflow store: {uri}")
 
 

@@ -17,17 +17,18 @@ from orchestrator.config import register_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The files that take longest, longest first (seconds each file's tests took in a clean-clone
-# run under three workers: cluster 464, ray 392, launcher 294, hang 175, tracker_outage 164,
-# trial 157, parallel 155, best 140, sweep 138, ovat 129, knobs 122). pytest-xdist hands whole
-# files to its workers in collection order (`--no-loadscope-reorder` in pyproject's addopts; its
-# default order, most tests first, put these few-test files last, where one of them ran on
-# alone for minutes while the other workers idled). Longest first, the short files fill the end.
+# How the suite's files share pytest-xdist's three workers (`--dist loadfile
+# --no-loadscope-reorder` in pyproject's addopts). Each file is a group of its own, so its module
+# fixtures (a Ray cluster, an MLflow server, a grid sweep's store) start once, except the files
+# that start Ray clusters, which are one group: they run one after another on one worker, so no
+# two Ray clusters (each a dozen processes) fight for the two cores, and the two other workers
+# take the rest. Groups go out in collection order, sorted here: the Ray group first, then the
+# longest files (seconds each took in a clean-clone run under three workers: tracker_outage 164,
+# trial 157, parallel 155, best 140, sweep 138, ovat 129, knobs 122, ...), and the short ones
+# last to fill the end. xdist's own order (most tests first) left the long few-test files to the
+# end, where one of them ran on alone for minutes.
+RAY_CLUSTERS = ("test_cluster.py", "test_ray.py", "test_launcher.py", "test_hang.py")
 LONGEST_FIRST = (
-    "test_cluster.py",
-    "test_ray.py",
-    "test_launcher.py",
-    "test_hang.py",
     "test_tracker_outage.py",
     "test_trial.py",
     "test_parallel.py",
@@ -42,9 +43,23 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to each worker, as ``--dist loadfile``, except that the Ray files are one unit
+    (pytest-xdist's ``--dist loadgroup`` cannot say this under pytest 9.2: it marks a group by
+    rewriting a test's ``_nodeid``, which pytest no longer reads)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayFilesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "ray_clusters" if Path(path).name in RAY_CLUSTERS else path
+
+    return RayFilesTogether(config, log)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The long files first (a stable sort: tests keep their order within a file)."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    """The groups' order (a stable sort: a file keeps its tests' order)."""
+    rank = {name: i for i, name in enumerate(RAY_CLUSTERS + LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
