@@ -1,6 +1,7 @@
 """One-variable-at-a-time (with pruning) against the full grid over the same values.
 
-    python bench/ovat_vs_grid.py [--steps 12] [--repeats 2] [--remeasure 3] [--keep DIR]
+    python bench/ovat_vs_grid.py [--steps 12] [--repeats 2] [--remeasure 3] [--measure fixed|adaptive]
+                                 [--keep DIR]
 
 The study (gpt_tiny on the CPU, ``trainer=smoke``, global batch 8): ``trainer.micro_batch`` 1,
 2, 4, 8, 16 (16 exceeds the global batch: infeasible; 8 with dp=2 too), ``precision`` fp32, bf16,
@@ -11,7 +12,9 @@ basic launcher, each in its own MLflow experiment of one store:
 - grid: the basic sweeper, every combination once (the infeasible ones are recorded, not run);
 - ovat: ``hydra/sweeper=ovat`` with ``--repeats`` per point, ``resume=false``.
 
-Figures: trials launched, trial-seconds (the sum of the trials' run durations in MLflow, the
+``--measure`` is ``trainer.measure`` in both searches alike (``adaptive``: a trial stops once its
+median step time is known, README "Trials that stop when the step time is known"). Figures:
+trials launched, trial-seconds (the sum of the trials' run durations in MLflow, the
 device time each search spent) and the search's wall time; the best config each found and its
 objective as measured inside the search. Then the two winners are measured again side by side
 (``--remeasure`` interleaved runs each, medians), so the comparison of what they found does not
@@ -70,6 +73,7 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=2, help="OVAT repeats per point")
     ap.add_argument("--remeasure", type=int, default=3, help="side-by-side runs of each winner")
+    ap.add_argument("--measure", choices=("fixed", "adaptive"), default="fixed", help="trainer.measure, both searches")
     ap.add_argument("--keep", help="work in this folder (default: a temporary one)")
     args = ap.parse_args()
     from orchestrator import best, results
@@ -79,6 +83,7 @@ def main():
     work.mkdir(parents=True, exist_ok=True)
     uri = "sqlite:///" + str(work / "mlruns.db")
     base = ["+chip=cpu", "trainer=smoke", f"trainer.steps={args.steps}", "data.num_workers=0"]
+    base.append(f"trainer.measure={args.measure}")
     sweep_args = [f"{k}={v}" for k, v in VARIABLES]
 
     grid_wall = cli(["-m", *base, "tracking.experiment=grid", *sweep_args], work, work / "grid.log")
@@ -134,7 +139,7 @@ def main():
     print(
         f"gpt_tiny on the CPU, {args.steps} steps a trial; variables: "
         + "; ".join(f"{k}={v}" for k, v in VARIABLES)
-        + f"; OVAT repeats {args.repeats}"
+        + f"; OVAT repeats {args.repeats}; trainer.measure={args.measure}"
     )
     print(
         f"{'search':6}  {'trials':>6}  {'pruned':>6}  {'trial-s':>8}  {'wall-s':>7}  {'best in search':>14}  "

@@ -304,8 +304,13 @@ def _lost_nodes(placed: Dict[int, Tuple[str, str]], wait_s: float = 30.0) -> Lis
                     except Exception:  # noqa: BLE001 - the node went while the ping ran: counted dead below
                         pass
         if dead | answered >= set(ours) or time.monotonic() > deadline:
-            for ref in pings.values():
-                ray.cancel(ref, force=True)
+            # only the pings still queued (a dead node's), and not by force: force-cancelling a
+            # ping whose reply was already on its way crashed this process inside Ray's core
+            # worker ("Check failed: it != submissible_tasks_.end()", Ray 2.60), which ended a
+            # Ray sweep's job right after its trial had failed and been recorded
+            for node, ref in pings.items():
+                if node not in answered:
+                    ray.cancel(ref)
             return sorted(f"{ours[node]} ({node[:12]})" for node in dead)
 
 
