@@ -1,7 +1,7 @@
 """Does the calibrated step-time model predict layouts it was not fitted to?
 
     python bench/plan_calibration.py [--presets single,dp2,tp2,pp2,tp2pp2] [--held-out pp2,tp2pp2]
-                                     [--model gpt_mini] [--steps 20] [--threads 1]
+                                     [--model gpt_mini] [--steps 20] [--threads 0]
 
 Runs one real trial per parallel preset on this machine (``+chip=cpu``, gloo processes, tracked in
 a private MLflow sqlite store), fits the planner's efficiency factors to the measured median step
@@ -13,10 +13,13 @@ figure to judge the model by; then every preset predicted by a fit to all the ot
 layout out, ``orchestrator.planner.cross_validate``), so the ranking is judged over every layout
 that ran. A preset the trainer cannot run is reported and left out.
 
-Every worker runs ``--threads`` intra-op threads (``OMP_NUM_THREADS``; torch's elastic launcher
-gives one to each of several workers, a lone worker would take every core): a one-process trial
-with all cores against two-process trials with one each, on a shared host, compares thread
-contention rather than layouts. On the CPU the measured peak is the process's resident set
+``--threads 0`` (the default) leaves each worker's intra-op threads to the trainer, as a trial
+runs: the host's cores split among a node's workers (``trainers.runtime.select_device``), so every
+layout has the whole host, which is what the planner's CPU chip models (one host peak shared by
+all its workers). ``--threads N`` sets ``OMP_NUM_THREADS=N`` for every worker instead: with 1, a
+one-process trial uses one core of the host and a two-process one two, which the model does not
+describe (measured: ``single`` then runs 1.8x slower than ``dp2`` and is the fit's worst point). On
+the CPU the measured peak is the process's resident set
 (Python and torch included) and the plan includes ``planner.runtime_overhead_gb``: the memory
 columns show the comparison, not an accuracy claim.
 """
@@ -54,9 +57,14 @@ def main() -> None:
     ap.add_argument("--held-out", default="pp2,tp2pp2", help="presets predicted, not fitted to")
     ap.add_argument("--model", default="gpt_mini")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=1, help="intra-op threads per worker (OMP_NUM_THREADS)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="intra-op threads per worker (OMP_NUM_THREADS); 0: the trainer's choice"
+    )
     args = ap.parse_args()
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the spawned workers read it when torch loads
+    if args.threads > 0:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the spawned workers read it when torch loads
+    else:
+        os.environ.pop("OMP_NUM_THREADS", None)
     register_configs()
     store = tempfile.mkdtemp(prefix="plan-calibration-")
     uri = f"sqlite:///{store}/mlruns.db"
@@ -99,7 +107,8 @@ def main() -> None:
     cal = planner.calibrate(fit, _compose(common).planner, held_out=held)
     peaks = {t.run_id: t.peak_mem_gb for t in trials}
     print(
-        f"model={args.model} steps={args.steps} global_batch=16 seq_len=128 threads/worker={args.threads}; "
+        f"model={args.model} steps={args.steps} global_batch=16 seq_len=128 "
+        f"threads/worker={args.threads or 'cores/workers'}; "
         f"fitted compute_efficiency={cal.compute_efficiency:.4g} comm_efficiency={cal.comm_efficiency:.4g} "
         f"collective_latency_us={cal.collective_latency_us:.4g}"
     )
