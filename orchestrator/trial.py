@@ -102,7 +102,8 @@ def trial_tags(cfg: DictConfig, lay: Optional[Layout] = None) -> Dict[str, str]:
         "layout": f"dp{lay.dp}tp{lay.tp}pp{lay.pp}",
         "world_size": str(lay.world_size),
     }
-    if cfg.trainer.fault.at_step >= 0 or cfg.trainer.fault.nan_at_step >= 0:
+    f = cfg.trainer.fault
+    if f.at_step >= 0 or f.nan_at_step >= 0 or f.straggle_s > 0:  # a drill ran: its step times say so
         tags["fault"] = OmegaConf.to_yaml(cfg.trainer.fault).strip().replace("\n", ", ")
     return tags
 

@@ -279,6 +279,10 @@ def test_a_straggler_is_late_to_every_step_and_changes_no_number(compose_cfg):
     late, late_rows = _train(compose_cfg, ["trainer.steps=2", "trainer.warmup_steps=0", "trainer.fault.straggle_s=1.0"])
     assert all(r["step_time_s"] >= 1.0 for r in late_rows), [r["step_time_s"] for r in late_rows]
     assert [r["loss"] for r in late_rows] == [r["loss"] for r in plain_rows]
+    # its runs carry the drill as the `fault` tag, as the other drills' do; a plain run none
+    tags = trial.trial_tags(trial.prepare(compose_cfg([*ONE, "trainer.fault.straggle_s=1.0"])))
+    assert "straggle_s: 1.0" in tags["fault"]
+    assert "fault" not in trial.trial_tags(trial.prepare(compose_cfg(ONE)))
 
 
 # --- the validator ---------------------------------------------------------------------------------
