@@ -46,17 +46,13 @@ def device_kind() -> tuple[str, int]:
     return "cpu", 0
 
 
-def _used_bytes(kind: str, device) -> int:
-    import torch
+def _used_bytes(device) -> int:
+    """The device's own count of used memory once its queued work is done (the trainer's reading,
+    ``trainers.runtime.memory_gb``: total - free of ``mem_get_info``; on CPU the peak RSS)."""
+    from trainers.runtime import memory_gb, synchronize
 
-    if kind == "cpu":
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    mod = torch.cuda if kind == "cuda" else torch.npu  # type: ignore[attr-defined]
-    mod.synchronize(device)
-    free, total = mod.mem_get_info(device)
-    return int(total - free)
+    synchronize(device)
+    return int(memory_gb(device)["device_used"] * 2**30)
 
 
 def _rank(rank: int, world: int, port: int, kind: str, env: dict, out: str) -> None:
@@ -73,12 +69,12 @@ def _rank(rank: int, world: int, port: int, kind: str, env: dict, out: str) -> N
     rt = RuntimeConfig(device_type=kind, backend=backend, torch_plugin="torch_npu" if kind == "npu" else None)
     device = select_device(rt, rank)
     x = torch.ones(1 << 20, device=device)  # the device's context exists before the first reading
-    before = _used_bytes(kind, device)
+    before = _used_bytes(device)
     from trainers.runtime import init_process_group
 
     init_process_group(rt, device)
     dist.all_reduce(x)
-    after = _used_bytes(kind, device)
+    after = _used_bytes(device)
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump({"before": before, "after": after}, f)
