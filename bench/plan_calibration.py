@@ -104,7 +104,8 @@ def main() -> None:
     if not fit:
         print("no finished trial to fit to")
         return
-    cal = planner.calibrate(fit, _compose(common).planner, held_out=held)
+    planner_cfg = _compose(common).planner  # the factors' starting values, for both fits below
+    cal = planner.calibrate(fit, planner_cfg, held_out=held)
     peaks = {t.run_id: t.peak_mem_gb for t in trials}
     print(
         f"model={args.model} steps={args.steps} global_batch=16 seq_len=128 "
@@ -137,7 +138,7 @@ def main() -> None:
         print("held-out: none (give --held-out presets that ran)")
     # every layout predicted by a fit to the others (leave one layout out): as many held-out
     # layouts as ran, so rho ranks all of them, not the two or three of one split
-    loo = planner.cross_validate(trials, _compose(common).planner)
+    loo = planner.cross_validate(trials, planner_cfg)
     if loo.n_runs:
         print(
             f"leave one layout out: median |relative error| {100 * loo.median_abs_rel_error:.1f}%, largest "

@@ -104,7 +104,7 @@ def trial_tags(cfg: DictConfig, lay: Optional[Layout] = None) -> Dict[str, str]:
     }
     f = cfg.trainer.fault
     if f.at_step >= 0 or f.nan_at_step >= 0 or f.straggle_s > 0:  # a drill ran: its step times say so
-        tags["fault"] = OmegaConf.to_yaml(cfg.trainer.fault).strip().replace("\n", ", ")
+        tags["fault"] = OmegaConf.to_yaml(f).strip().replace("\n", ", ")
     return tags
 
 

@@ -275,8 +275,8 @@ def test_a_straggler_is_late_to_every_step_and_changes_no_number(compose_cfg):
     """Rank 0 sleeps straggle_s inside each timed step: every step time is at least that (a
     bound, not a race: a step cannot take less than its sleep), and the losses are those of the
     run without it. Ignored, the step times of gpt_tiny on this machine are far below 1 s."""
-    plain, plain_rows = _train(compose_cfg, ["trainer.steps=2", "trainer.warmup_steps=0"])
-    late, late_rows = _train(compose_cfg, ["trainer.steps=2", "trainer.warmup_steps=0", "trainer.fault.straggle_s=1.0"])
+    _, plain_rows = _train(compose_cfg, ["trainer.steps=2", "trainer.warmup_steps=0"])
+    _, late_rows = _train(compose_cfg, ["trainer.steps=2", "trainer.warmup_steps=0", "trainer.fault.straggle_s=1.0"])
     assert all(r["step_time_s"] >= 1.0 for r in late_rows), [r["step_time_s"] for r in late_rows]
     assert [r["loss"] for r in late_rows] == [r["loss"] for r in plain_rows]
     # its runs carry the drill as the `fault` tag, as the other drills' do; a plain run none
