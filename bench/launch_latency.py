@@ -15,6 +15,13 @@ with gloo, ``trainer=smoke``. "First step" is the moment rank 0 has finished ste
 - cli-local, cli-ray: the real command, ``python -m orchestrator ...`` (with ``hydra/launcher=ray``
              for cli-ray), which also runs the preflight and creates the MLflow run.
 
+- ray-sweep, ray-sweep-cold: a Ray sweep of ``--sweep`` such trials one after another
+             (``trainer.seed=1..N`` on a local cluster of 2 CPUs, room for one at a time), with
+             warm worker groups (``launch.ray.reuse_workers``, the default) and without; its
+             figure is a trial's start *within* the sweep: from the previous trial's end (its
+             run's end time in MLflow) to its own first step, median over the sweep's trials
+             after the first (the first pays for the cluster and the group, as ``cli-ray`` does).
+
 The first four read a timestamp that rank 0's reporter writes at step 0; the cli variants read
 the timestamp of the first per-step metric in MLflow (``trainer.log_every=1``: sent right after
 step 0). Each figure is the median over ``--repeats`` runs; ray-join runs last, while its cluster
@@ -37,7 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRIAL = ["+chip=cpu", "parallel=dp2", "trainer=smoke", "trainer.steps=3", "data.num_workers=0"]
-VARIANTS = ("torchrun", "local", "ray", "ray-join", "cli-local", "cli-ray")
+VARIANTS = ("torchrun", "local", "ray", "ray-join", "cli-local", "cli-ray", "ray-sweep", "ray-sweep-cold")
 
 
 class FirstStep:
@@ -113,6 +120,51 @@ def _first_metric_time(db: Path) -> float:
     c = MlflowClient("sqlite:///" + str(db))
     runs = c.search_runs([c.get_experiment_by_name("orchestrator").experiment_id])
     return min(m.timestamp for m in c.get_metric_history(runs[0].info.run_id, "loss")) / 1000.0
+
+
+def _sweep_gaps(db: Path) -> list:
+    """For each trial of the sweep in ``db`` but the first: seconds from the previous trial's
+    end to its own first logged step (trials ran one at a time)."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient("sqlite:///" + str(db))
+    runs = c.search_runs([c.get_experiment_by_name("orchestrator").experiment_id])
+    trials = sorted(
+        (
+            min(m.timestamp for m in c.get_metric_history(r.info.run_id, "loss")) / 1000.0,
+            r.info.end_time / 1000.0,
+        )
+        for r in runs
+        if "trial.status" in r.data.tags
+    )
+    return [first - prev_end for (_, prev_end), (first, _) in zip(trials, trials[1:])]
+
+
+def measure_sweep(kind: str, work: Path, trials: int) -> float:
+    """The median start of a trial within a Ray sweep of ``trials`` (see the module docstring)."""
+    db = work / f"{kind}-{uuid.uuid4().hex[:8]}.db"
+    reuse = "false" if kind.endswith("-cold") else "true"
+    seeds = ",".join(str(i + 1) for i in range(trials))
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator",
+        "-m",
+        "hydra/launcher=ray",
+        "launch.ray.num_cpus=2",
+        f"launch.ray.reuse_workers={reuse}",
+        *TRIAL,
+        f"trainer.seed={seeds}",
+        "trainer.log_every=1",
+        f"tracking.uri=sqlite:///{db}",
+    ]
+    proc = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{kind} failed:\n{proc.stderr[-3000:]}")
+    gaps = _sweep_gaps(db)
+    if len(gaps) != trials - 1:
+        raise RuntimeError(f"{kind}: {len(gaps) + 1} trials recorded, {trials} launched")
+    return statistics.median(gaps)
 
 
 def measure(kind: str, work: Path, head: str = "") -> float:
@@ -203,6 +255,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--sweep", type=int, default=4, help="trials in each ray-sweep variant's sweep")
     ap.add_argument("--child", choices=("torchrun", "local", "ray", "ray-join"), help=argparse.SUPPRESS)
     ap.add_argument("--stamp", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -220,7 +273,9 @@ def main() -> None:
             measure("cli-local", work)
         for _ in range(args.repeats):
             for kind in variants:
-                if kind != "ray-join":
+                if kind.startswith("ray-sweep"):
+                    times[kind].append(measure_sweep(kind, work, args.sweep))
+                elif kind != "ray-join":
                     times[kind].append(measure(kind, work))
         if "ray-join" in variants:
             proc, head = _start_head(work / "head.log")
@@ -230,8 +285,13 @@ def main() -> None:
             finally:
                 _stop_head(proc, head)
     print(f"command -> first step of a 2-rank gpt_tiny trial (dp2, gloo, CPU), median of {args.repeats}:")
+    base = statistics.median(times["torchrun"]) if times.get("torchrun") else None
     for kind in variants:
-        print(f"  {kind:10s} {statistics.median(times[kind]):6.1f} s   ({', '.join(f'{t:.1f}' for t in times[kind])})")
+        median = statistics.median(times[kind])
+        ratio = f"  {median / base:4.2f}x torchrun" if base else ""
+        print(f"  {kind:14s} {median:6.1f} s{ratio}   ({', '.join(f'{t:.1f}' for t in times[kind])})")
+    if any(k.startswith("ray-sweep") for k in variants):
+        print(f"  (ray-sweep*: a trial's start within a sweep of {args.sweep}, from the previous trial's end)")
 
 
 if __name__ == "__main__":

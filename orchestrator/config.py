@@ -74,6 +74,11 @@ class RayLaunchConfig:
     # reserve whole nodes for each trial (all of a node's chip resource), so no other trial's
     # processes share a node with it: for sweeps whose step times are compared
     exclusive: bool = False
+    # in a sweep under the Ray launcher: a trial runs in the worker processes of an earlier trial
+    # of the same shape (world size, devices per worker, placement, environment) once that one
+    # ended well, its process group and model built anew (orchestrator.ray_pool); false: every
+    # trial starts its own Ray Train worker group
+    reuse_workers: bool = True
 
 
 @dataclass

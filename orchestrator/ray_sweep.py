@@ -61,7 +61,8 @@ def board_slot(hydra_cfg: Any) -> Optional[BoardSlot]:
     """This job's slot on its sweep's progress board, from the job's Hydra config
     (``HydraConfig.get()``); None for a job this launcher did not start."""
     board = OmegaConf.select(hydra_cfg, "launcher.board")
-    return BoardSlot(str(board), int(hydra_cfg.job.num)) if board else None
+    pool = OmegaConf.select(hydra_cfg, "launcher.pool")
+    return BoardSlot(str(board), int(hydra_cfg.job.num), str(pool) if pool else None) if board else None
 
 
 def _run_job(
@@ -86,6 +87,23 @@ def _run_job(
         job_dir_key="hydra.sweep.dir",
         job_subdir_key="hydra.sweep.subdir",
     )
+
+
+def _pool(launcher: Any, wanted: bool) -> Optional[str]:
+    """The name of the multirun's pool of warm worker groups (:mod:`orchestrator.ray_pool`),
+    started at its first batch and kept on ``launcher`` for the later ones (an OVAT study's
+    batches find the groups of the earlier ones); None when ``wanted`` is false (another app's
+    jobs, or ``launch.ray.reuse_workers=false``). The pool's groups end with the driver."""
+    if not wanted:
+        return None
+    name = getattr(launcher, "pool_name", None)
+    if name is None:
+        from orchestrator import ray_pool
+
+        name = f"sweep-pool-{uuid.uuid4().hex[:12]}"
+        launcher.pool_actor = on_this_node(ray_pool.Pool, name=name, max_concurrency=64)
+        launcher.pool_name = name
+    return name
 
 
 def _outcome(ret: Any) -> Tuple[str, str]:
@@ -225,6 +243,10 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         board = on_this_node(_Board, name=board_name)
+        pool_name = _pool(launcher, ours and bool(_section(config, "launch.ray").get("reuse_workers", True)))
+        for _, _, job_cfg in jobs:
+            with read_write(job_cfg.hydra.launcher), open_dict(job_cfg.hydra.launcher):
+                job_cfg.hydra.launcher.pool = pool_name
         # a job is never re-run (it would record twice); this application's jobs stay beside the
         # sweep's files and MLflow store, and the driver's exported variables (launch.env_prefixes)
         # travel with them to their trials

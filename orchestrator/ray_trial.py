@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from orchestrator import relay
+from orchestrator import ray_pool, relay
 from orchestrator.launch import TrialFailed, classify, error_summary
 
 log = logging.getLogger("orchestrator")
@@ -112,6 +112,7 @@ class BoardSlot:
 
     board: str
     key: int
+    pool: Optional[str] = None  # the multirun's pool of warm worker groups (orchestrator.ray_pool)
 
 
 @contextlib.contextmanager
@@ -182,21 +183,41 @@ def _train_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     import ray.train
 
     ctx = ray.train.get_context()
-    rank = ctx.get_world_rank()
+    node_id = ray.get_runtime_context().get_node_id()
+    ranks = {
+        "rank": ctx.get_world_rank(),
+        "world_size": ctx.get_world_size(),
+        "local_rank": ctx.get_local_rank(),
+        "local_world_size": ctx.get_local_world_size(),
+        "node_rank": ctx.get_node_rank(),
+        "node_id": node_id,
+        "ip": next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "?"),
+    }
+    return rank_entry(config, ranks)
+
+
+def rank_entry(config: Dict[str, Any], ranks: Dict[str, Any], store: Any = None) -> Optional[Dict[str, Any]]:
+    """One rank of a trial on Ray, from either kind of worker group (Ray Train's, or a warm one of
+    :mod:`orchestrator.ray_pool` with its rendezvous ``store``): the torchrun variables, where it
+    runs (the roster, rank 0's tags, the board), then ``trainers.loop.worker_entry``."""
+    import ray
+
     # the trainer picks its device and thread count from these, as under torchrun
-    os.environ["LOCAL_RANK"] = str(ctx.get_local_rank())
-    for key, value in (
-        ("RANK", rank),
-        ("WORLD_SIZE", ctx.get_world_size()),
-        ("LOCAL_WORLD_SIZE", ctx.get_local_world_size()),
-        ("NODE_RANK", ctx.get_node_rank()),
+    os.environ["LOCAL_RANK"] = str(ranks["local_rank"])
+    for key, name in (
+        ("RANK", "rank"),
+        ("WORLD_SIZE", "world_size"),
+        ("LOCAL_WORLD_SIZE", "local_world_size"),
+        ("NODE_RANK", "node_rank"),
     ):
-        os.environ.setdefault(key, str(value))
+        # a warm worker runs one trial after another: each trial's own values
+        if store is not None or key not in os.environ:
+            os.environ[key] = str(ranks[name])
     # a restarted worker group knows it is one (the fault drills fire on the first attempt only)
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(config["attempt"])
-    node_id = ray.get_runtime_context().get_node_id()
-    ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "?")
-    ray.get(config["roster"].place.remote(config["attempt"], rank, node_id, ip))
+    rank, node_id, ip = int(ranks["rank"]), ranks["node_id"], ranks["ip"]
+    if config.get("roster") is not None:
+        ray.get(config["roster"].place.remote(config["attempt"], rank, node_id, ip))
     if rank == 0:
         if config["reporter"] is not None:
             config["reporter"].tag("trial.rank0_node", node_id)
@@ -208,9 +229,10 @@ def _train_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
         os.chdir(config["cwd"])
     from trainers.loop import worker_entry
 
-    return worker_entry(config["spec"], config["reporter"])
+    return worker_entry(config["spec"], config["reporter"], store=store)
 
 
+_ACTOR_DEATHS = ("ActorDiedError", "RayActorError", "ActorUnavailableError")
 _COLLATERAL = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
 
 
@@ -232,8 +254,10 @@ def failure_reason(err: Exception) -> str:
         inner = getattr(err, "controller_failure", None) or err
         return error_summary(inner)
     for rank, failure in sorted(failures.items()):
-        if hasattr(failure, "health_check_failure"):
+        if hasattr(failure, "health_check_failure"):  # Ray Train's worker group
             return f"rank {rank}: {_death(failure.health_check_failure)}"
+        if type(failure).__name__ in _ACTOR_DEATHS:  # a warm group's rank (orchestrator.ray_pool)
+            return f"rank {rank}: {_death(failure)}"
     ranked = sorted(failures.items(), key=lambda kv: (any(c in str(kv[1]).lower() for c in _COLLATERAL), kv[0]))
     rank, failure = ranked[0]
     return f"rank {rank}: {error_summary(failure)}"
@@ -323,9 +347,11 @@ def launch_trial(
     placement: Placement,
     slot: Optional[BoardSlot] = None,
 ) -> Dict[str, Any]:
-    """Run ``trainers.loop.worker_entry`` in ``world_size`` Ray Train workers; rank 0's summary.
+    """Run ``trainers.loop.worker_entry`` in ``world_size`` workers on Ray; rank 0's summary.
     The same signature as :func:`orchestrator.launch.launch_local`, plus where the workers go and,
-    for a job of a Ray sweep, its ``slot`` on the sweep's progress board.
+    for a job of a Ray sweep, its ``slot``: its place on the sweep's progress board and, with
+    ``launch.ray.reuse_workers``, the sweep's pool of warm worker groups
+    (:mod:`orchestrator.ray_pool`). Else the workers are a Ray Train worker group of its own.
 
     A failed worker group is restarted up to ``launch.max_failures`` times, on whatever nodes Ray
     gives it, resuming from the newest complete checkpoint; a restart is attempted only when the
@@ -335,60 +361,54 @@ def launch_trial(
     max_failures = int(launch.get("max_failures", 0))
     with cluster(ray_cfg):
         import ray
-        from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-        from ray.train.torch import TorchConfig
 
         rt = spec.runtime
         env = worker_env(rt.env, launch.get("env_prefixes") or ())
         board, key = (ray.get_actor(slot.board), slot.key) if slot is not None else (None, -1)
-        roster = relay.on_this_node(_Roster)
+        pool = slot.pool if slot is not None and ray_cfg.get("reuse_workers", True) else None
+        roster = None if pool else relay.on_this_node(_Roster)
         workers_reporter = relay.for_workers(reporter)
         name = f"trial-{getattr(reporter, 'run_id', None) or uuid.uuid4().hex[:12]}"
+        strategy = "STRICT_PACK" if placement.nodes == 1 else "PACK"
+        timeout_s = float(math.ceil(float(rt.timeout_s)))
         for attempt in range(max_failures + 1):
             units = placement.units(world_size, _live_totals(placement.resource))
-            trainer = _trainer_class()(
-                _train_worker,
-                train_loop_config={
-                    "spec": spec,
-                    "reporter": workers_reporter,
-                    "cwd": os.getcwd(),
-                    "board": board,
-                    "key": key,
-                    "attempt": attempt,
-                    "roster": roster,
-                },
-                scaling_config=ScalingConfig(
-                    num_workers=world_size,
-                    use_gpu=placement.resource == "GPU",
-                    resources_per_worker={placement.resource: units},
-                    # one node: all on it (as the local launcher would); more: fill nodes in turn
-                    placement_strategy="STRICT_PACK" if placement.nodes == 1 else "PACK",
-                ),
-                torch_config=TorchConfig(backend=rt.backend, timeout_s=int(math.ceil(float(rt.timeout_s)))),
-                run_config=RunConfig(
-                    name=f"{name}-{attempt}",
-                    # restarts are this loop's: it checks the capacity left and names lost nodes
-                    failure_config=FailureConfig(max_failures=0),
-                    worker_runtime_env={"env_vars": env} if env else None,
-                    callbacks=_accelerator_callbacks(placement.resource),
-                ),
-            )
+            config = {
+                "spec": spec,
+                "reporter": workers_reporter,
+                "cwd": os.getcwd(),
+                "board": board,
+                "key": key,
+                "attempt": attempt,
+                "roster": roster,
+            }
             log.info(
-                "trial on Ray: %d worker(s) x {%s: %d}%s%s",
+                "trial on Ray: %d worker(s) x {%s: %d}%s%s%s",
                 world_size,
                 placement.resource,
                 units,
                 ", whole nodes" if placement.exclusive else "",
+                ", warm group pool" if pool else "",
                 f", restart {attempt} of {max_failures}" if attempt else "",
             )
             try:
-                summary = trainer.fit().return_value or {}
-                _tag_nodes(reporter, ray.get(roster.nodes.remote(attempt)))
+                if pool:
+                    summary, placed, group = ray_pool.run_trial(
+                        pool, config, world_size, placement.resource, units, strategy, env, timeout_s
+                    )
+                    if reporter is not None:
+                        reporter.tag("trial.worker_group", f"{group['group']} (trial {group['reused'] + 1})")
+                else:
+                    summary = _fit(config, world_size, placement, units, strategy, rt, env, f"{name}-{attempt}")
+                    placed = ray.get(roster.nodes.remote(attempt))
+                _tag_nodes(reporter, placed)
                 return summary
-            except TrainingFailedError as err:
+            except Exception as err:
+                if not _attempt_failed(err):
+                    raise
                 reason = failure_reason(err)
                 status = classify(reason)
-            placed = ray.get(roster.nodes.remote(attempt))
+                placed = err.placed if pool else ray.get(roster.nodes.remote(attempt))
             _tag_nodes(reporter, placed)
             lost = _lost_nodes(placed)
             if lost:
@@ -401,6 +421,49 @@ def launch_trial(
                 raise TrialFailed(status, f"{reason}; not restarted: {no_room.reason}") from None
             log.warning("trial attempt %d ended %s (%s): restarting", attempt, status, reason)
         raise AssertionError("unreachable")
+
+
+def _attempt_failed(err: BaseException) -> bool:
+    """Whether ``err`` is an attempt's worker group failing (Ray Train's or a warm group's)."""
+    from ray.train import TrainingFailedError
+
+    return isinstance(err, (TrainingFailedError, ray_pool.GroupFailed))
+
+
+def _fit(
+    config: Dict[str, Any],
+    world_size: int,
+    placement: Placement,
+    units: int,
+    strategy: str,
+    rt: Any,
+    env: Dict[str, str],
+    name: str,
+) -> Dict[str, Any]:
+    """One attempt as a Ray Train TorchTrainer of its own (restarts are the caller's: it checks
+    the capacity left and names lost nodes); rank 0's summary."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig
+
+    trainer = _trainer_class()(
+        _train_worker,
+        train_loop_config=config,
+        scaling_config=ScalingConfig(
+            num_workers=world_size,
+            use_gpu=placement.resource == "GPU",
+            resources_per_worker={placement.resource: units},
+            # one node: all on it (as the local launcher would); more: fill nodes in turn
+            placement_strategy=strategy,
+        ),
+        torch_config=TorchConfig(backend=rt.backend, timeout_s=int(math.ceil(float(rt.timeout_s)))),
+        run_config=RunConfig(
+            name=name,
+            failure_config=FailureConfig(max_failures=0),
+            worker_runtime_env={"env_vars": env} if env else None,
+            callbacks=_accelerator_callbacks(placement.resource),
+        ),
+    )
+    return trainer.fit().return_value or {}
 
 
 def _trainer_class():

@@ -65,11 +65,16 @@ def _nodes(address: str) -> dict:
     return {node: (names[0][len("node_") :] if names else "head") for node, names in json.loads(out.stdout).items()}
 
 
-def _wait_for(predicate, proc, timeout=300):
+def _wait_for(predicate, proc, uri, ckpt, timeout=300):
+    """Poll ``predicate`` while ``proc`` runs; a failure shows the output's tail, every run's tags
+    in the store at ``uri`` and the checkpoint folders under ``ckpt`` (what ended a trial early)."""
     deadline = time.time() + timeout
     while not predicate():
-        assert proc.poll() is None, proc.communicate()[0][-5000:]
-        assert time.time() < deadline
+        if proc.poll() is not None or time.time() > deadline:
+            tags = [r.data.tags for r in search_runs(uri)]
+            folders = sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("step_*")) if ckpt.is_dir() else []
+            out = proc.communicate()[0][-5000:] if proc.poll() is not None else "(still running)"
+            raise AssertionError(f"{out}\nruns: {json.dumps(tags, indent=1)}\ncheckpoints: {folders}")
         time.sleep(0.5)
 
 
@@ -137,7 +142,7 @@ def test_rank0_on_a_node_without_the_store_and_a_lost_node_resumes(cluster, star
         driver,
         c.address,
     )
-    _wait_for(lambda: (ckpt / "step_00000005").is_dir(), proc)
+    _wait_for(lambda: (ckpt / "step_00000005").is_dir(), proc, uri, ckpt)
     first = _run(uri).data.tags["trial.rank0_node"]
     names = cluster["names"]
     assert names[first] in ("a", "b", "c")  # never the driver's (head) node
@@ -222,7 +227,7 @@ def test_without_spare_capacity_a_lost_node_ends_the_trial_and_the_sweep_goes_on
         runs = [r for r in search_runs(uri) if r.data.tags.get("layout") == "dp1tp2pp2"]
         return runs[0] if runs and (ckpt / runs[0].info.run_id / "step_00000005").is_dir() else None
 
-    _wait_for(big, proc)
+    _wait_for(big, proc, uri, ckpt)
     names = cluster["names"]
     victim = names[big().data.tags["trial.rank0_node"]]
     c.kill(victim)

@@ -70,6 +70,43 @@ def test_a_sweep_queues_on_a_local_cluster_and_nests_its_runs(tmp_path):
     for a, b, c in itertools.combinations(spans, 3):
         assert max(a[0], b[0], c[0]) > min(a[1], b[1], c[1]), spans
 
+    # warm worker groups (launch.ray.reuse_workers, on by default): two groups fill the cluster,
+    # and the third trial ran in the processes of one that had finished, its process group and
+    # model built anew: its losses are those of the same trial launched alone
+    groups = {c.data.params["trainer.seed"]: c.data.tags["trial.worker_group"].split() for c in children}
+    assert len({g[0] for g in groups.values()}) == 2, groups
+    (seed,) = [s for s, g in groups.items() if g[1:] == ["(trial", "2)"]]
+    alone = run_cli([*COMMON, f"trainer.seed={seed}", "tracking.uri=" + uri.replace(".db", "_alone.db")], tmp_path)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    (reference,) = [r for r in search_runs(uri.replace(".db", "_alone.db")) if "trial.status" in r.data.tags]
+    assert "trial.worker_group" not in reference.data.tags  # one trial on one node: not on Ray at all
+    reused = next(c for c in children if c.data.params["trainer.seed"] == seed)
+    got = [m.value for m in metric_history(uri, reused.info.run_id, "loss")]
+    want = [m.value for m in metric_history(uri.replace(".db", "_alone.db"), reference.info.run_id, "loss")]
+    assert got == pytest.approx(want, rel=1e-6), (got, want)
+
+
+def test_warm_groups_of_another_shape_give_way_and_can_be_turned_off(tmp_path):
+    """A cluster of 2 CPUs, a 1-rank and a 2-rank trial: whichever runs first leaves its group
+    idle, holding CPUs the other waits for; the idle group is evicted and both finish (without
+    that, the second trial would wait forever). With reuse off, each trial is a Ray Train group."""
+    common = [*(a for a in COMMON if not a.startswith("parallel=")), "parallel=single,dp2", "launch.ray.num_cpus=2"]
+    for reuse in ("true", "false"):
+        uri = "sqlite:///" + str(tmp_path / f"reuse_{reuse}.db")
+        proc = run_cli(
+            ["-m", "hydra/launcher=ray", *common, f"launch.ray.reuse_workers={reuse}", f"tracking.uri={uri}"],
+            cwd=tmp_path,
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _, children = _sweep(search_runs(uri))
+        assert sorted(c.data.tags["trial.status"] for c in children) == ["finished", "finished"]
+        groups = [c.data.tags.get("trial.worker_group") for c in children]
+        if reuse == "true":
+            assert all(g and g.endswith("(trial 1)") for g in groups) and len(set(groups)) == 2, groups
+        else:
+            assert groups == [None, None]
+
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):

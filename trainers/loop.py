@@ -348,13 +348,18 @@ def _gather(value: float, device: torch.device, world: int) -> List[float]:
 
 @record  # writes the exception to the elastic error file, so the launcher can report why
 def worker_entry(
-    spec: TrialSpec, reporter: Optional[Reporter] = None, env: Optional[Dict[str, str]] = None
+    spec: TrialSpec,
+    reporter: Optional[Reporter] = None,
+    env: Optional[Dict[str, str]] = None,
+    store: Optional[dist.Store] = None,
 ) -> Optional[Dict[str, Any]]:
     """Entry point of one worker process: env, process group, train, tear down. ``env``: the
-    launching process's environment, which a forked worker takes over (see :func:`adopt_env`)."""
+    launching process's environment, which a forked worker takes over (see :func:`adopt_env`).
+    ``store``: the trial's rendezvous store, when the launcher holds one (a warm worker group,
+    whose processes run one trial after another: each trial's group is built and torn down here)."""
     if env is not None:
         adopt_env(env)
-    setup(spec.runtime, int(os.environ.get("LOCAL_RANK", "0")), spec.trainer.deterministic)
+    setup(spec.runtime, int(os.environ.get("LOCAL_RANK", "0")), spec.trainer.deterministic, store)
     try:
         return train(spec, reporter)
     finally:

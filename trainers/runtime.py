@@ -91,33 +91,44 @@ def set_deterministic(device_type: str, on: bool) -> None:
     torch.use_deterministic_algorithms(on, warn_only=True)
 
 
-def setup(rt: RuntimeConfig, local_rank: int, deterministic: bool = False) -> torch.device:
+def setup(
+    rt: RuntimeConfig, local_rank: int, deterministic: bool = False, store: Optional[dist.Store] = None
+) -> torch.device:
     """A worker's runtime, in the order the devices' libraries need it: backend environment, the
     plugin import and the current device, then the process group bound to that device. HCCL and
     NCCL create their communicators on the current device; torch_npu registers the "hccl" backend
     when it is imported (torch's device-backend autoload does it too, unless a site sets
     ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``), and its docs set the device before
-    ``init_process_group`` (torch_npu, "Distributed training" quick start)."""
+    ``init_process_group`` (torch_npu, "Distributed training" quick start). ``store``: see
+    :func:`init_process_group`."""
     apply_env(rt.env)
     set_deterministic(rt.device_type, deterministic)
     device = select_device(rt, local_rank)
-    init_process_group(rt, device)
+    init_process_group(rt, device, store)
     return device
 
 
-def init_process_group(rt: RuntimeConfig, device: Optional[torch.device] = None) -> None:
+def init_process_group(
+    rt: RuntimeConfig, device: Optional[torch.device] = None, store: Optional[dist.Store] = None
+) -> None:
     """Join the trial's process group (env:// variables from the launcher). ``device``: the
     worker's accelerator, passed as ``device_id`` (torch binds the group to it and creates the
     NCCL/HCCL communicator at once, so a bad device or network fails here rather than in the
     first collective); None or the CPU: no binding (gloo). Under torch's elastic agent, a
     restarted worker group reuses the agent's store: its keys are prefixed with the restart
-    count, or the new ranks would read the dead ranks' addresses and fail to connect."""
+    count, or the new ranks would read the dead ranks' addresses and fail to connect. ``store``: a
+    store the launcher already holds for this trial (a warm worker group's: rank 0 bound its port
+    itself), with RANK and WORLD_SIZE from the environment."""
     if dist.is_initialized():
         return
     exported = os.environ.get("HCCL_EXEC_TIMEOUT", "").strip()
     seconds = rules.collective_timeout_s(rt.timeout_s, rt.backend, float(exported) if exported.isdigit() else None)
     timeout = _dt.timedelta(seconds=seconds)
     bound = {"device_id": device} if device is not None and device.type != "cpu" else {}
+    if store is not None:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend=rt.backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
+        return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
         dist.init_process_group(backend=rt.backend, init_method="env://", timeout=timeout, **bound)
