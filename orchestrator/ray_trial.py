@@ -12,6 +12,11 @@ sets up the process group (gloo on CPU and for emulated chips, nccl on CUDA, hcc
 runs ``trainers.loop.worker_entry``; rank 0 sends per-step metrics to MLflow in batches through
 the trial's reporter, never through Ray.
 
+In a sweep under the Ray launcher, with ``launch.ray.reuse_workers`` (the default), the workers
+are instead a warm group from the sweep's pool (:mod:`orchestrator.ray_pool`): the processes of an
+earlier trial of the same shape, each trial building its own process group and model in them. The
+restarts, the failure reasons and the lost-node names are the same on both.
+
 The sweep side of Ray (the ``hydra/launcher=ray`` core, which submits every trial of a sweep at
 once) is :mod:`orchestrator.ray_sweep`. Ray is imported inside the functions: composing or
 validating a config never imports it.
@@ -394,7 +399,7 @@ def launch_trial(
             try:
                 if pool:
                     summary, placed, group = ray_pool.run_trial(
-                        pool, config, world_size, placement.resource, units, strategy, env, timeout_s
+                        pool, config, world_size, placement.resource, units, strategy, _group_env(spec, env), timeout_s
                     )
                     if reporter is not None:
                         reporter.tag("trial.worker_group", f"{group['group']} (trial {group['reused'] + 1})")
@@ -421,6 +426,18 @@ def launch_trial(
                 raise TrialFailed(status, f"{reason}; not restarted: {no_room.reason}") from None
             log.warning("trial attempt %d ended %s (%s): restarting", attempt, status, reason)
         raise AssertionError("unreachable")
+
+
+def _group_env(spec: Any, env: Dict[str, str]) -> Dict[str, str]:
+    """The environment a warm group's workers start with: the trial's, plus the determinism
+    variables when ``trainer.deterministic`` (the trainer sets them in its process and never unsets
+    them: a group that ran a deterministic trial would make every later trial in it deterministic
+    too, so such trials get groups of their own)."""
+    if not spec.trainer.deterministic:
+        return env
+    from trainers.runtime import determinism_env
+
+    return {**determinism_env(spec.runtime.device_type), **env}
 
 
 def _attempt_failed(err: BaseException) -> bool:
@@ -458,7 +475,10 @@ def _fit(
         torch_config=TorchConfig(backend=rt.backend, timeout_s=int(math.ceil(float(rt.timeout_s)))),
         run_config=RunConfig(
             name=name,
-            failure_config=FailureConfig(max_failures=0),
+            # every restart is the caller's, preemptions included (Ray Train's own default
+            # retries a preempted node's group without end, outside the caller's count, its
+            # capacity check and the attempt number the fault drills read)
+            failure_config=FailureConfig(max_failures=0, max_preemption_failures=0),
             worker_runtime_env={"env_vars": env} if env else None,
             callbacks=_accelerator_callbacks(placement.resource),
         ),

@@ -20,6 +20,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from orchestrator import tracking
 
 DIRECTIONS = ("minimize", "maximize")
+# objectives that are a trial's median step time, or its inverse: a run measured with
+# trainer.measure=adaptive carries the median's own 95% interval (step_time_ci_rel) for them
+STEP_TIME_OBJECTIVES = ("step_time_median_s", "tokens_per_s_median")
 
 
 def search(uri: str, experiment: str, filter_string: str = "", trials_only: bool = True) -> List[Any]:
@@ -121,6 +124,7 @@ class Point:
     diverged: Optional[str] = None
     labels: Dict[str, str] = field(default_factory=dict)  # what distinguishes it in a study: KEY -> value
     predicted_step_s: Optional[float] = None  # the planner's step time for it (orchestrator.planner)
+    ci_rel: List[float] = field(default_factory=list)  # each run's step_time_ci_rel, where recorded
 
     @property
     def value(self) -> Optional[float]:
@@ -136,12 +140,17 @@ class Point:
 
     @property
     def spread(self) -> float:
+        """Its noise, relative: the spread of its repeats; for one run of a step-time objective
+        that recorded its median's 95% interval (``trainer.measure=adaptive``), that interval's
+        whole width (2 x step_time_ci_rel, on the scale of a spread); else 0."""
+        if len(self.values) < 2 and self.ci_rel:
+            return 2.0 * max(self.ci_rel)
         return spread(self.values)
 
     def fill(self, uri: str, runs: Iterable[Any], objective: str, with_losses: bool = True) -> "Point":
         """Take these finished runs as the point's repeats."""
         self.run_ids, self.values, self.final_losses, self.val_losses, self.losses = [], [], [], [], {}
-        self.diverged = None
+        self.diverged, self.ci_rel = None, []
         for run in runs:
             v = value(run, objective)
             if v is None:
@@ -149,6 +158,9 @@ class Point:
             rid = run.info.run_id
             self.run_ids.append(rid)
             self.values.append(v)
+            ci = run.data.metrics.get("step_time_ci_rel")
+            if objective in STEP_TIME_OBJECTIVES and ci is not None and math.isfinite(ci):
+                self.ci_rel.append(float(ci))
             final = run.data.metrics.get("final_loss")
             losses = loss_history(uri, rid) if with_losses else []
             self.losses[rid] = losses

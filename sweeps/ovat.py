@@ -8,7 +8,9 @@ per point, a minimum speedup, a loss band, passes. Coordinate descent: the basel
 variable's other candidates with every other variable at its current best, in one batch through
 the configured launcher; the fastest candidate that passes the quality gate is adopted when its
 speedup over the current best is at least ``max(min_speedup, 1 + noise)``, where the noise is the
-spread of the baseline's repeats. Further passes run while the last one adopted something.
+spread of the baseline's repeats (with ``repeats=1``, the width of the baseline's median step-time
+interval, which each trial records: ``orchestrator.results.Point.spread``). Further passes run
+while the last one adopted something.
 
 With a step-time objective the planner orders each variable's candidates (predicted best first)
 and skips one it predicts slower than the incumbent by more than its own error on the points

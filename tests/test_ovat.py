@@ -148,6 +148,22 @@ def test_a_win_must_beat_the_threshold_and_both_points_noise():
     assert not judge(_point([0.9, 0.9], [3.0, 3.0]), base, base, up, 1.05)[0]
 
 
+def test_one_repeat_counts_its_own_median_interval_as_its_noise():
+    """repeats=1: no spread of repeats to read; a run that recorded its median step time's 95%
+    interval (step_time_ci_rel) brings that interval's width as the point's noise."""
+    study = _study(min_speedup=1.05)
+    base = _point([1.0], [3.0])
+    assert base.spread == 0.0  # nothing recorded: no noise known, min_speedup alone
+    candidate = _point([0.90], [3.0])  # S = 1.11
+    assert judge(candidate, base, base, study, 1.05)[0]
+    candidate.ci_rel = [0.08]  # its median known to +-8%: a 16% spread
+    assert candidate.spread == pytest.approx(0.16)
+    ok, why = judge(candidate, base, base, study, 1.05)
+    assert not ok and "below 1.160" in why
+    candidate.values.append(0.90)  # two repeats: their own spread again
+    assert candidate.spread == 0.0
+
+
 def test_the_quality_gate_rejects_fast_points_that_lose_quality():
     study = _study(loss_band=0.05)
     base = _point([1.0, 1.0], [3.0, 3.0])

@@ -35,3 +35,23 @@ def test_a_shape_is_its_size_resources_placement_and_environment():
     assert base != shape_key(2, "GPU", 1, "PACK", {"NCCL_BUFFSIZE": "4194304"})
     assert base != shape_key(4, "GPU", 2, "PACK", {"NCCL_BUFFSIZE": "4194304"})
     assert base != shape_key(4, "GPU", 1, "STRICT_PACK", {"NCCL_BUFFSIZE": "4194304"})
+
+
+def test_a_deterministic_trial_gets_groups_of_its_own():
+    """The trainer sets the determinism variables in its process and never unsets them: a group
+    that ran a deterministic trial must not take a non-deterministic one."""
+    from types import SimpleNamespace
+
+    from orchestrator.ray_trial import _group_env
+
+    def spec(deterministic):
+        return SimpleNamespace(
+            trainer=SimpleNamespace(deterministic=deterministic), runtime=SimpleNamespace(device_type="npu")
+        )
+
+    env = {"HCCL_BUFFSIZE": "200"}
+    fast, exact = _group_env(spec(False), env), _group_env(spec(True), env)
+    assert fast == env and exact == {"HCCL_DETERMINISTIC": "true", "HCCL_BUFFSIZE": "200"}
+    assert shape_key(8, "NPU", 1, "PACK", fast) != shape_key(8, "NPU", 1, "PACK", exact)
+    # a value the user exported on the driver wins, as on one node
+    assert _group_env(spec(True), {"HCCL_DETERMINISTIC": "false"}) == {"HCCL_DETERMINISTIC": "false"}
