@@ -757,6 +757,7 @@ class MlflowReporter:
         if os.getpid() != self._owner_pid:
             for key, value in WORKER_HTTP_ENV.items():
                 os.environ.setdefault(key, value)
+        self._connect()
         delay = BACKOFF_S[0]
         while True:
             with self._cond:
@@ -810,6 +811,23 @@ class MlflowReporter:
             self._journal_write({"done": [op["seq"] for op in batch]})
             self._cond.notify_all()
 
+    def _read_logged_up_to(self, c: Any) -> None:
+        """The highest step the store holds (delivery thread only)."""
+        stored = max((m.step for m in c.get_metric_history(self.run_id, "loss")), default=-1)
+        self._logged_up_to = max(stored, -1 if self._logged_up_to is None else self._logged_up_to)
+        self._resync = False
+
+    def _connect(self) -> None:
+        """Import MLflow, open the client and read what the store holds, before the first record
+        comes (``open`` is called before the model is built): done at the first delivery instead,
+        these seconds of the Python interpreter's time land in a timed step of rank 0. A store
+        that does not answer now is tried again by the first delivery."""
+        try:
+            self._read_logged_up_to(self._mlflow())
+        except Exception as err:  # noqa: BLE001 - the first delivery retries, with backoff
+            self._resync = True
+            log.debug("run %s: the store did not answer yet (%s)", self.run_id, _first_line(err))
+
     def _deliver(self, batch: List[Dict[str, Any]]) -> None:
         from mlflow.entities import Metric, RunTag
 
@@ -841,9 +859,7 @@ class MlflowReporter:
         nothing of itself; the store is read again after any failure); then in as few calls as
         MLflow's per-call limit allows, whole rows per call."""
         if self._resync or self._logged_up_to is None:
-            stored = max((m.step for m in c.get_metric_history(self.run_id, "loss")), default=-1)
-            self._logged_up_to = max(stored, -1 if self._logged_up_to is None else self._logged_up_to)
-            self._resync = False
+            self._read_logged_up_to(c)
         top, kept = self._logged_up_to, []
         for r in rows:  # in the order they came: a step re-run after a restart keeps its first value
             if int(r["step"]) > top:

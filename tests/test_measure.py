@@ -20,15 +20,17 @@ from trainers import measure
 
 def test_the_median_interval_is_the_order_statistics_around_the_middle():
     assert measure.median_interval([5.0] * 5) is None  # under MIN_TIMED: not trusted
-    # n=10: j = floor(5 - 1.96*sqrt(10)/2) = 1, k = ceil(5 + 3.10) + 1 = 10
-    assert measure.median_interval([float(x) for x in range(10, 0, -1)]) == (1.0, 5.5, 10.0)
-    # n=100: j = floor(50 - 9.8) = 40, k = ceil(59.8) + 1 = 61
+    # n=10: P(B <= 1) = 11/1024 <= 0.025 < P(B <= 2) = 56/1024, so j = 2: x_2 and x_9 (97.9%)
+    assert measure.median_interval([float(x) for x in range(10, 0, -1)]) == (2.0, 5.5, 9.0)
+    # n=6: P(B <= 0) = 1/64 <= 0.025 < P(B <= 1): the extremes (96.9%)
+    assert measure.median_interval([float(x) for x in range(1, 7)]) == (1.0, 3.5, 6.0)
+    # n=100: P(B <= 39) = 0.018 <= 0.025 < P(B <= 40) = 0.028: x_40 and x_61
     assert measure.median_interval([float(x) for x in range(1, 101)]) == (40.0, 50.5, 61.0)
     assert measure.relative_half_width([2.0] * 8) == 0.0
     assert measure.enough([2.0] * 8, 0.01) and not measure.enough([2.0] * 5, 0.01)
 
 
-@pytest.mark.parametrize("n", [8, 20, 60])
+@pytest.mark.parametrize("n", [6, 8, 10, 20, 60])
 def test_the_interval_holds_the_true_median_at_least_95_percent_of_the_time(n):
     """A long right tail, as step times have on a shared machine: lognormal, median exactly 1."""
     rng = random.Random(n)
