@@ -39,6 +39,7 @@ log = logging.getLogger("orchestrator")
 VISIBLE = {"GPU": "CUDA_VISIBLE_DEVICES", "NPU": "ASCEND_RT_VISIBLE_DEVICES"}
 WAIT_S = 2.0  # a placement group not ready yet: evict idle groups and look again this often
 GRACE_S = 5.0  # after a rank fails, how long its peers get to fail in turn (for the reason)
+IDLE_TRIES = 3  # idle groups found dead (a node lost while they waited) before a trial fails
 
 
 def shape_key(world_size: int, resource: str, units: int, strategy: str, env: Dict[str, str]) -> str:
@@ -278,6 +279,27 @@ def ranks_by_node(where: Sequence[Tuple[str, str, List[str], int]]) -> List[Dict
     return out
 
 
+def live_group(
+    pool: Any, world_size: int, resource: str, units: int, strategy: str, env: Dict[str, str]
+) -> Tuple[Group, List[Tuple[str, str, List[str], int]]]:
+    """A group of this shape from ``pool`` whose workers all answer, and where each is. An idle
+    group that lost a worker while it waited (its node went) is discarded and another taken,
+    without charging the trial a failure; a new group that fails to start raises GroupFailed."""
+    import ray
+
+    key = shape_key(world_size, resource, units, strategy, env)
+    for tries in range(IDLE_TRIES):
+        group = ray.get(pool.acquire.remote(key, {resource: units}, world_size, strategy, env))
+        try:
+            return group, ray.get([a.where.remote(resource) for a in group.actors])
+        except Exception as err:  # noqa: BLE001 - a worker died: its node went, or it never started
+            ray.get(pool.discard.remote(group.id))
+            if group.trials == 0 or tries == IDLE_TRIES - 1:  # a new group: the trial's own failure
+                raise GroupFailed({0: err}, {}) from None
+            log.info("warm group %s lost a worker while idle (%s): another group", group.id, type(err).__name__)
+    raise AssertionError("unreachable")
+
+
 def run_trial(
     pool_name: str,
     config: Dict[str, Any],
@@ -294,14 +316,7 @@ def run_trial(
     import ray
 
     pool = ray.get_actor(pool_name)
-    key = shape_key(world_size, resource, units, strategy, env)
-    group = ray.get(pool.acquire.remote(key, {resource: units}, world_size, strategy, env))
-    placed: Dict[int, Tuple[str, str]] = {}
-    try:
-        where = ray.get([a.where.remote(resource) for a in group.actors])
-    except Exception as err:  # noqa: BLE001 - a rank died idle (its node went): a failed attempt
-        ray.get(pool.discard.remote(group.id))
-        raise GroupFailed({0: err}, {}) from None
+    group, where = live_group(pool, world_size, resource, units, strategy, env)
     ranks = ranks_by_node(where)
     placed = {r["rank"]: (r["node_id"], r["ip"]) for r in ranks}
     first = next(i for i, r in enumerate(ranks) if r["rank"] == 0)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # trial 157, parallel 155, best 140, sweep 138, ovat 129, knobs 122, ...), and the short ones
 # last to fill the end. xdist's own order (most tests first) left the long few-test files to the
 # end, where one of them ran on alone for minutes.
-RAY_CLUSTERS = ("test_cluster.py", "test_ray.py", "test_launcher.py", "test_hang.py")
+RAY_CLUSTERS = ("test_cluster.py", "test_ray.py", "test_launcher.py", "test_hang.py", "test_ray_pool.py")
 LONGEST_FIRST = (
     "test_tracker_outage.py",
     "test_trial.py",

@@ -4,6 +4,10 @@ Ray placed each actor, as torchrun and Ray Train number them. The groups themsel
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
 from orchestrator.ray_pool import ranks_by_node, shape_key
 
 
@@ -55,3 +59,38 @@ def test_a_deterministic_trial_gets_groups_of_its_own():
     assert shape_key(8, "NPU", 1, "PACK", fast) != shape_key(8, "NPU", 1, "PACK", exact)
     # a value the user exported on the driver wins, as on one node
     assert _group_env(spec(True), {"HCCL_DETERMINISTIC": "false"}) == {"HCCL_DETERMINISTIC": "false"}
+
+
+@pytest.mark.ray
+def test_the_pool_reuses_evicts_and_replaces_a_group_that_died_idle():
+    """A real local Ray cluster of 2 CPUs and the pool actor: a released group is handed out again
+    (the same processes); a group of another shape waiting for the CPUs evicts the idle one; an
+    idle group whose worker died is replaced by a new group, not charged to the trial."""
+    import ray
+
+    from orchestrator import ray_pool
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    try:
+        pool = ray.remote(num_cpus=0, max_concurrency=8)(ray_pool.Pool).remote()
+        group, where = ray_pool.live_group(pool, 2, "CPU", 1, "STRICT_PACK", {})
+        pids = sorted(w[3] for w in where)
+        assert len(set(pids)) == 2 and group.trials == 0
+        ray.get(pool.release.remote(group))
+        again, where = ray_pool.live_group(pool, 2, "CPU", 1, "STRICT_PACK", {})
+        assert again.id == group.id and again.trials == 1 and sorted(w[3] for w in where) == pids
+        ray.get(pool.release.remote(again))
+        # one worker of another shape: the idle 2-CPU group holds every CPU until evicted
+        other, _ = ray_pool.live_group(pool, 1, "CPU", 1, "STRICT_PACK", {"X": "1"})
+        assert other.id != group.id
+        assert ray.get(pool.stats.remote()) == {"created": 2, "alive": 1, "idle": 0}
+        ray.get(pool.release.remote(other))
+        # the idle group's worker dies; the next trial of its shape gets a new group
+        ray.kill(other.actors[0], no_restart=True)
+        time.sleep(1)
+        fresh, where = ray_pool.live_group(pool, 1, "CPU", 1, "STRICT_PACK", {"X": "1"})
+        assert fresh.id != other.id and fresh.trials == 0 and len(where) == 1
+        ray.get(pool.close.remote())
+        assert ray.get(pool.stats.remote())["alive"] == 0
+    finally:
+        ray.shutdown()
