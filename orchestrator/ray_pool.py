@@ -81,7 +81,7 @@ class Rank:
 
         import torch.distributed as dist
 
-        from orchestrator.ray_trial import rank_entry
+        from orchestrator.ray_rank import rank_entry
 
         visible = ranks.get("visible")
         if visible is not None:

@@ -9,7 +9,7 @@ and ``orchestrator/validate.py`` reason about exactly this. A change here change
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Dict, List
 
 
 def dp_wrapping(dp: int, tp: int, dp_shard: str) -> str:
@@ -119,3 +119,16 @@ def collective_timeout_s(timeout_s: float, backend: str, exec_timeout_s: float |
     if backend == "hccl" and exec_timeout_s:
         return max(float(timeout_s), float(exec_timeout_s) + exec_margin_s(exec_timeout_s))
     return float(timeout_s)
+
+
+def determinism_env(device_type: str) -> Dict[str, str]:
+    """What a device's libraries need, beside ``torch.use_deterministic_algorithms``, to be
+    deterministic; set before the first kernel and the first communicator. cuBLAS: a fixed
+    workspace (torch docs, "Reproducibility" and ``use_deterministic_algorithms``: CUDA >= 10.2
+    needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` or ``:16:8``). HCCL: its reductions run in a fixed
+    order only with ``HCCL_DETERMINISTIC=true`` (CANN environment variable reference)."""
+    if device_type == "cuda":
+        return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    if device_type == "npu":
+        return {"HCCL_DETERMINISTIC": "true"}
+    return {}

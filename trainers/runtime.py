@@ -70,24 +70,11 @@ def select_device(rt: RuntimeConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def determinism_env(device_type: str) -> Dict[str, str]:
-    """What a device's libraries need, beside ``torch.use_deterministic_algorithms``, to be
-    deterministic; set before the first kernel and the first communicator. cuBLAS: a fixed
-    workspace (torch docs, "Reproducibility" and ``use_deterministic_algorithms``: CUDA >= 10.2
-    needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` or ``:16:8``). HCCL: its reductions run in a fixed
-    order only with ``HCCL_DETERMINISTIC=true`` (CANN environment variable reference)."""
-    if device_type == "cuda":
-        return {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-    if device_type == "npu":
-        return {"HCCL_DETERMINISTIC": "true"}
-    return {}
-
-
 def set_deterministic(device_type: str, on: bool) -> None:
     """``trainer.deterministic``: deterministic kernels and collectives, or the fastest ones.
     The environment is set unless the user exported it; call before the process group."""
     if on:
-        apply_env(determinism_env(device_type))
+        apply_env(rules.determinism_env(device_type))
     torch.use_deterministic_algorithms(on, warn_only=True)
 
 
