@@ -22,7 +22,6 @@ The pool owns its groups' actors: they end with it, and it ends with the multiru
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
@@ -84,39 +83,17 @@ class Rank:
         from orchestrator.ray_rank import rank_entry
 
         visible = ranks.get("visible")
-        if visible is not None:
-            if self._visible is None:  # before the first trial touches the device
-                os.environ[VISIBLE[ranks["resource"]]] = visible
-                self._visible = visible
+        if visible is not None and self._visible is None:  # before the first trial touches the device
+            os.environ[VISIBLE[ranks["resource"]]] = visible
+            self._visible = visible
         rank = int(ranks["rank"])
         store = self._store
         if rank != 0:
             timeout = datetime.timedelta(seconds=float(ranks["timeout_s"]))
             store = dist.TCPStore(ranks["master"], int(ranks["port"]), int(ranks["world_size"]), False, timeout=timeout)
         self._store = None
-        try:
-            return rank_entry(config, ranks, store=store)
-        finally:
-            del store
-            _release_device_memory()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-def _release_device_memory() -> None:
-    """What the trial's tensors held goes back to the device, and the peak counter restarts, so the
-    next trial's memory figures are its own."""
-    gc.collect()
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    npu = getattr(torch, "npu", None)
-    if npu is not None and npu.is_available():
-        npu.empty_cache()  # torch_npu mirrors torch.cuda's memory API (torch_npu, "Memory management")
-        npu.reset_peak_memory_stats()
+        # the trainer tears down the process group and releases the device's memory after the trial
+        return rank_entry(config, ranks, store=store)
 
 
 class Group:
@@ -195,10 +172,8 @@ class Pool:
 
     def discard(self, group_id: str) -> None:
         """A group whose trial failed: its processes and its placement group go."""
-        with self._lock:
+        with self._lock:  # a group in use: acquire took it out of the idle ones
             group = self._groups.pop(group_id, None)
-            for key in list(self._idle):
-                self._idle[key] = [g for g in self._idle[key] if g.id != group_id]
         if group is not None:
             _destroy(group)
 
@@ -311,7 +286,7 @@ def run_trial(
     timeout_s: float,
 ) -> Tuple[Dict[str, Any], Dict[int, Tuple[str, str]], Dict[str, Any]]:
     """One attempt of a trial on a warm group from the pool named ``pool_name``: (rank 0's
-    summary, rank -> (node id, address), what the group was: id, trials before this one, pids).
+    summary, rank -> (node id, address), what the group was: its id and the trials it ran before).
     Raises :class:`GroupFailed` (the group discarded) when a rank fails."""
     import ray
 
@@ -321,7 +296,7 @@ def run_trial(
     placed = {r["rank"]: (r["node_id"], r["ip"]) for r in ranks}
     first = next(i for i, r in enumerate(ranks) if r["rank"] == 0)
     common = {"world_size": world_size, "resource": resource, "timeout_s": timeout_s, "master": ranks[first]["ip"]}
-    info = {"group": group.id, "reused": group.trials, "pids": [w[3] for w in where]}
+    info = {"group": group.id, "reused": group.trials}
     try:
         common["port"] = ray.get(group.actors[first].open_store.remote(ranks[first]["ip"], world_size, timeout_s))
         refs = {group.actors[i].run.remote(config, {**ranks[i], **common}): ranks[i]["rank"] for i in range(world_size)}

@@ -101,6 +101,7 @@ def _pool(launcher: Any, wanted: bool) -> Optional[str]:
         from orchestrator import ray_pool
 
         name = f"sweep-pool-{uuid.uuid4().hex[:12]}"
+        # the handle held here keeps the actor (a named, non-detached one) alive between batches
         launcher.pool_actor = on_this_node(ray_pool.Pool, name=name, max_concurrency=64)
         launcher.pool_name = name
     return name

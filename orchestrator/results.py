@@ -141,8 +141,9 @@ class Point:
     @property
     def spread(self) -> float:
         """Its noise, relative: the spread of its repeats; for one run of a step-time objective
-        that recorded its median's 95% interval (``trainer.measure=adaptive``), that interval's
-        whole width (2 x step_time_ci_rel, on the scale of a spread); else 0."""
+        that recorded its median's 95% interval (``step_time_ci_rel``, every run of 6 or more
+        timed steps), that interval's whole width (2 x step_time_ci_rel, on the scale of a
+        spread); else 0."""
         if len(self.values) < 2 and self.ci_rel:
             return 2.0 * max(self.ci_rel)
         return spread(self.values)

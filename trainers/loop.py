@@ -33,7 +33,16 @@ from trainers.parallel import acc_dtype, global_grad_norm, param_checksum
 from trainers.precision import LossScaler, grad_multiplier
 from trainers.profiling import METRIC_KEYS, Profiler
 from trainers.report import ROW_TIME, NullReporter, Reporter
-from trainers.runtime import adopt_env, memory_gb, peak_memory_gb, select_device, set_deterministic, setup, synchronize
+from trainers.runtime import (
+    adopt_env,
+    memory_gb,
+    peak_memory_gb,
+    release_memory,
+    select_device,
+    set_deterministic,
+    setup,
+    synchronize,
+)
 
 
 class NonFiniteError(RuntimeError):
@@ -359,9 +368,10 @@ def worker_entry(
     whose processes run one trial after another: each trial's group is built and torn down here)."""
     if env is not None:
         adopt_env(env)
-    setup(spec.runtime, int(os.environ.get("LOCAL_RANK", "0")), spec.trainer.deterministic, store)
+    device = setup(spec.runtime, int(os.environ.get("LOCAL_RANK", "0")), spec.trainer.deterministic, store)
     try:
         return train(spec, reporter)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        release_memory(device)

@@ -9,6 +9,7 @@ process group with the configured timeout.
 from __future__ import annotations
 
 import datetime as _dt
+import gc
 import importlib
 import os
 import resource
@@ -112,32 +113,34 @@ def init_process_group(
     seconds = rules.collective_timeout_s(rt.timeout_s, rt.backend, float(exported) if exported.isdigit() else None)
     timeout = _dt.timedelta(seconds=seconds)
     bound = {"device_id": device} if device is not None and device.type != "cpu" else {}
-    if store is not None:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        dist.init_process_group(backend=rt.backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
-        return
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
+    if store is None and attempt is None:
         dist.init_process_group(backend=rt.backend, init_method="env://", timeout=timeout, **bound)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=not agent_store and rank == 0,
-        timeout=timeout,
-        multi_tenant=not agent_store,
-    )
-    dist.init_process_group(
-        backend=rt.backend,
-        store=dist.PrefixStore(f"attempt_{attempt}", store),
-        rank=rank,
-        world_size=world,
-        timeout=timeout,
-        **bound,
-    )
+    if store is None:
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        tcp = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=not agent_store and rank == 0,
+            timeout=timeout,
+            multi_tenant=not agent_store,
+        )
+        store = dist.PrefixStore(f"attempt_{attempt}", tcp)
+    dist.init_process_group(backend=rt.backend, store=store, rank=rank, world_size=world, timeout=timeout, **bound)
+
+
+def release_memory(device: torch.device) -> None:
+    """After a trial: what its tensors held goes back to the device and the peak counters
+    restart, so a later trial in the same process (a warm worker group's) reports its own peaks.
+    On CPU the peak resident set cannot be reset: it stays the process's."""
+    gc.collect()
+    if device.type in ("cuda", "npu"):
+        mod = _device_module(device)  # torch_npu mirrors torch.cuda's memory API (its npu/memory.py)
+        mod.empty_cache()
+        mod.reset_peak_memory_stats(device)
 
 
 def synchronize(device: torch.device) -> None:
