@@ -9,58 +9,81 @@ import torch
 from trainers.precision import LossScaler, PrecisionConfig, grad_multiplier
 
 
-def _param(value):
-    p = torch.nn.Parameter(torch.zeros(3))
-    p.grad = torch.full((3,), value)
-    return p
+CPU = torch.device("cpu")
+YES, NO = torch.tensor(1.0), torch.tensor(0.0)  # found_inf: the step overflowed, or not
 
 
 def test_overflow_skips_and_backs_off():
-    s = LossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=1024.0, growth_interval=2), torch.device("cpu"))
-    finite = s.all_finite([_param(float("inf"))])
-    s.update(finite)
-    assert not finite and s.scale == 512.0 and s.skipped_steps == 1
+    s = LossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=1024.0, growth_interval=2), CPU)
+    s.update(YES)
+    assert float(s.scale) == 512.0 and int(s.skipped_steps) == 1 and int(s.skipped_in_row) == 1
 
 
 def test_growth_and_the_multiplier():
-    s = LossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=8.0, growth_interval=2), torch.device("cpu"))
-    p = _param(16.0)
-    assert s.all_finite([p]) and p.grad.tolist() == [16.0] * 3  # left scaled for the optimizer
-    assert grad_multiplier(s, grad_norm=0.5, max_norm=1.0) == 1 / 8
-    assert grad_multiplier(s, grad_norm=4.0, max_norm=1.0) == pytest.approx(1 / 4 / 8)
-    s.update(True)
-    assert s.scale == 8.0
-    s.update(True)
-    assert s.scale == 16.0
+    s = LossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=8.0, growth_interval=2), CPU)
+    assert float(grad_multiplier(s, torch.tensor(0.5), max_norm=1.0)) == 1 / 8
+    assert float(grad_multiplier(s, torch.tensor(4.0), max_norm=1.0)) == pytest.approx(1 / 4 / 8)
+    assert float(grad_multiplier(s, torch.tensor(4.0), max_norm=0.0)) == 1 / 8  # no clipping
+    s.update(NO)
+    assert float(s.scale) == 8.0
+    s.update(NO)
+    assert float(s.scale) == 16.0
+    s.update(YES)  # an overflow resets the clean count: two more clean steps before the next growth
+    s.update(NO)
+    assert float(s.scale) == 8.0
+    s.update(NO)
+    assert float(s.scale) == 16.0
 
 
 def test_static_scale_skips_but_never_moves():
-    s = LossScaler(PrecisionConfig(loss_scale="static", init_scale=1024.0, growth_interval=1), torch.device("cpu"))
+    s = LossScaler(PrecisionConfig(loss_scale="static", init_scale=1024.0, growth_interval=1), CPU)
     assert s.scale_loss(torch.tensor(1.0)) == 1024.0
-    s.update(False)
-    s.update(False)
-    assert s.scale == 1024.0 and s.skipped_steps == 2 and s.skipped_in_row == 2
-    s.update(True)
-    assert s.scale == 1024.0 and s.skipped_in_row == 0
+    s.update(YES)
+    s.update(YES)
+    assert float(s.scale) == 1024.0 and int(s.skipped_steps) == 2 and int(s.skipped_in_row) == 2
+    s.update(NO)
+    assert float(s.scale) == 1024.0 and int(s.skipped_in_row) == 0 and int(s.skipped_steps) == 2
 
 
 def test_hysteresis_delays_the_backoff():
-    s = LossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=64.0, hysteresis=2), torch.device("cpu"))
-    s.update(False)
-    assert s.scale == 64.0 and s.skipped_steps == 1
-    s.update(False)
-    assert s.scale == 32.0 and s.skipped_steps == 2
+    s = LossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=64.0, hysteresis=2), CPU)
+    s.update(YES)
+    assert float(s.scale) == 64.0 and int(s.skipped_steps) == 1
+    s.update(YES)
+    assert float(s.scale) == 32.0 and int(s.skipped_steps) == 2
+    s.update(YES)  # the budget was refilled by the backoff: one more overflow does not back off
+    assert float(s.scale) == 32.0
     state = s.state_dict()
-    t = LossScaler(PrecisionConfig(loss_scale="dynamic"), torch.device("cpu"))
+    t = LossScaler(PrecisionConfig(loss_scale="dynamic"), CPU)
     t.load_state_dict(state)
     assert t.state_dict() == state
+    t.update(YES)  # the restored budget is the saved one: this overflow backs off
+    assert float(t.scale) == 16.0
+
+
+def test_the_scaler_state_stays_on_its_device_and_updates_without_a_host_read(monkeypatch):
+    """update() is tensor ops only: a host read (Tensor.item / __float__ / __bool__) fails here."""
+    s = LossScaler(PrecisionConfig(loss_scale="dynamic", init_scale=8.0, growth_interval=1, hysteresis=1), CPU)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("host read")
+
+    for name in ("item", "__float__", "__bool__", "__int__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    s.update(NO)
+    s.update(YES)
+    grad_multiplier(s, torch.tensor(3.0), max_norm=1.0)
+    monkeypatch.undo()
+    assert float(s.scale) == 8.0  # grew to 16, backed off to 8
 
 
 def test_disabled_scaler_is_identity():
-    s = LossScaler(PrecisionConfig(), torch.device("cpu"))
+    s = LossScaler(PrecisionConfig(), CPU)
     loss = torch.tensor(3.0)
-    assert s.scale_loss(loss) is loss and s.all_finite([_param(float("nan"))])
-    assert grad_multiplier(s, grad_norm=0.5, max_norm=1.0) == 1.0
+    assert s.scale_loss(loss) is loss
+    assert float(grad_multiplier(s, torch.tensor(0.5), max_norm=1.0)) == 1.0
+    s.update(YES)
+    assert int(s.skipped_steps) == 0  # nothing is counted: the loop ends such a trial
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

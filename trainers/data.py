@@ -146,10 +146,6 @@ def prepare(args: DataConfig) -> None:
         stdlib_corpus(args.cache_dir, args.max_corpus_mb)
 
 
-# torch < 2.7: DataLoader(pin_memory=True) pins for CUDA unless pin_memory_device names the device
-_LOADER_PINS_FOR_CUDA_ONLY = torch.torch_version.TorchVersion(torch.__version__) < "2.7"
-
-
 def build_loader(
     args: DataConfig,
     *,
@@ -168,8 +164,8 @@ def build_loader(
     accelerator the batches go to, whose pinned host memory the loader fills so the copy is
     asynchronous; "" on CPU. torch_npu documents ``DataLoader(pin_memory=True)`` on NPU and its
     tests pass ``pin_memory_device="npu"`` (Ascend/pytorch ``test/test_dataloader.py``). From
-    torch 2.7 the loader pins for the current accelerator by itself (and 2.13 warns that
-    ``pin_memory_device`` is deprecated); before it, an empty device meant CUDA."""
+    torch 2.7, the floor, the loader pins for the current accelerator by itself (and 2.13 warns
+    that ``pin_memory_device`` is deprecated), so it is not passed."""
     ds = build_dataset(args, seq_len, vocab_size, seed)
     sampler = StepSampler(len(ds), global_batch, dp_rank, dp_size, seed, steps, start_step)
     workers = max(0, args.num_workers)
@@ -181,7 +177,6 @@ def build_loader(
         num_workers=workers,
         prefetch_factor=args.prefetch_factor if workers else None,
         pin_memory=bool(pin_device),
-        pin_memory_device=pin_device if _LOADER_PINS_FOR_CUDA_ONLY else "",
         persistent_workers=False,
         # the rank's own children, forked from it: a rank started by a forkserver would otherwise
         # have the server start its loader workers, which then outlive the rank if it dies

@@ -9,7 +9,6 @@ leave through ``reporter`` on rank 0 only. The model's assembly (stages, wrappin
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -24,6 +23,7 @@ from trainers import data as data_mod
 from trainers import faults, measure, rules
 from trainers import optim as optim_mod
 from trainers.assembly import RankModel
+from trainers.clock import StepClock
 from trainers.config import TrialSpec
 from trainers.memory import model_state_bytes
 from trainers.model import GPT, count_params
@@ -41,12 +41,8 @@ from trainers.runtime import (
     select_device,
     set_deterministic,
     setup,
-    synchronize,
 )
-
-
-class NonFiniteError(RuntimeError):
-    """The loss or gradient norm went non-finite where no loss scaler could absorb it."""
+from trainers.step_log import NonFiniteError, StepLog, flush_with  # noqa: F401 (NonFiniteError: re-exported)
 
 
 def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict[str, Any]]:
@@ -131,28 +127,20 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     flops_per_token = 6 * n_params + 12 * margs.n_layers * margs.d_model * targs.seq_len
     holds_loss = torch.tensor([1.0 if model.schedule is None or model.has_last else 0.0], device=device)
 
-    pending: List[Dict[str, Any]] = []
-    pending_loss: List[torch.Tensor] = []
     history: List[Dict[str, Any]] = []
+    log = StepLog(device, acc_dtype(device), holds_loss, world)
+    clock = StepClock(device)
 
-    def flush() -> None:
-        if not pending:
-            return
-        # the logged loss is the global-batch mean, as a single process would compute it: the
-        # ranks that hold a loss contribute it (tp copies and dp replicas alike), then divide
-        losses = torch.cat([torch.stack(pending_loss).float() * holds_loss, holds_loss])
-        if dist.is_initialized() and world > 1:
-            dist.all_reduce(losses, op=dist.ReduceOp.SUM)
-        losses = (losses[:-1] / losses[-1]).tolist()
+    def deliver(rows: List[Dict[str, Any]]) -> None:
         mem = peak_memory_gb(device)
-        for row, loss in zip(pending, losses):
-            row["loss"] = loss
+        for row in rows:
             row["memory_gb"] = mem
-        if rank == 0:
-            reporter.log_steps([dict(r) for r in pending])
-            history.extend(pending)
-        pending.clear()
-        pending_loss.clear()
+        if rank == 0 and rows:
+            reporter.log_steps([dict(r) for r in rows])
+            history.extend(rows)
+
+    def flush() -> List[Dict[str, Any]]:
+        return flush_with(log, clock, tokens_per_step, scaler, deliver)
 
     param_sum_initial = param_checksum(model.params, mesh)
     state_bytes: Optional[Dict[str, int]] = None
@@ -160,6 +148,9 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     it = iter(loader)
     profile_logged = False
     timed_steps: List[float] = []  # this rank's step times after the warm-up (trainer.measure=adaptive)
+    # a loss scaler expects overflows; where the optimizer has no device-side skip (foreach on an
+    # NPU) its step reads the overflow flag back (trainers/optim.py: step)
+    sync_skip = scaler.enabled
     for step in range(start_step, targs.steps):
         step_ref[0] = step
         faults.rank_drill(step, rank, targs.fault, targs.checkpoint_dir)
@@ -170,48 +161,33 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
             profile_logged = True
         monitor.begin(step)
         tracker.reset()
-        t0 = time.perf_counter()
+        clock.start()
         faults.straggle(rank, targs.fault)
         lr = lr_at(step, targs)
         for opt in optims:
             for group in opt.param_groups:
                 group["lr"] = lr
         loss = model.forward_backward([next(it) for _ in range(accum)])
-        finite = scaler.all_finite(model.params)
-        grad_norm = float("nan")
-        if finite:
-            # the whole model's norm (across shards, stages and replicas) of the unscaled gradient;
-            # the optimizer applies 1/scale and the clipping coefficient as one multiplier
-            grad_norm = float(global_grad_norm(model.params, mesh)) / scaler.scale
-            finite = math.isfinite(grad_norm)
-        # every rank reaches here with the same `finite` (the flag and the norm are global)
-        first_bad = None if finite else tracker.first_layer()
-        if not finite and (not scaler.enabled or scaler.skipped_in_row + 1 >= scaler.max_consecutive_skips):
-            where = (
-                f"first in layer {first_bad} (block output)"
-                if first_bad is not None
-                else "forward activations finite, first in the backward pass"
-            )
-            why = "" if not scaler.enabled else f" ({scaler.skipped_in_row + 1} overflowed steps in a row)"
-            raise NonFiniteError(f"non-finite values at step {step}{why}: {where}")
+        # the whole model's norm (across shards, stages and replicas) of the unscaled gradient, on
+        # the device; it is finite exactly when every gradient value is, so it is also the
+        # overflow flag, global like the norm: every rank skips the same steps
+        grad_norm = global_grad_norm(model.params, mesh) / scaler.scale
+        found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+        first_bad = tracker.local_first()
         stats = monitor.collect() if monitor.active else None
-        if finite:
-            mult = grad_multiplier(scaler, grad_norm, targs.grad_clip)
-            for opt in optims:
-                optim_mod.step(opt, mult)
-        if state_bytes is None and finite:  # the rank at its fullest: after the first applied update
+        # 1 / scale times the clipping coefficient: the optimizer applies it as one multiplier
+        mult = grad_multiplier(scaler, grad_norm, targs.grad_clip)
+        for opt in optims:
+            optim_mod.step(opt, mult, found_inf, sync_skip)
+        if state_bytes is None or not state_bytes["optimizer"]:  # the rank at its fullest: after an update
             state_bytes = model_state_bytes(model.modules, optims)
         for opt in optims:
             opt.zero_grad(set_to_none=True)
-        scaler.update(finite)
-        synchronize(device)
-        dt = time.perf_counter() - t0
-        row = {"step": step, "step_time_s": dt, "tokens_per_s": tokens_per_step / dt, "lr": lr, "grad_norm": grad_norm}
-        row[ROW_TIME] = time.time()  # when the step ended: its metrics' timestamp (trainers/report.py)
-        row["loss_scale"] = scaler.scale
-        row["skipped_steps"] = scaler.skipped_steps
-        if first_bad is not None:
-            row["overflow_layer"] = first_bad  # the skipped step's first non-finite block
+        scaler.update(found_inf)
+        host_dt = clock.stop()
+        if clock.host_timed and step >= targs.warmup_steps:  # on every rank: the count gates a collective
+            timed_steps.append(host_dt)
+        row: Dict[str, Any] = {"step": step, "lr": lr, ROW_TIME: time.time()}  # when the step ended (report.py)
         if stats:
             acts = [r for r in stats if r["kind"] == "activation"]
             row["monitor_act_max_abs"] = max(r["max_abs"] for r in acts) if acts else 0.0
@@ -221,22 +197,29 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
                 reporter.log_table(step, "monitor", stats)
         if model.comm_stats is not None:
             row.update(model.comm_stats.take())
+        log.add(row, loss, [grad_norm, scaler.scale, scaler.skipped_steps, scaler.skipped_in_row, found_inf, first_bad])
         if val_loader is not None and (step + 1) % targs.eval_every == 0:
             row["val_loss"] = _global_mean(model.evaluate(val_loader), holds_loss, world)
-        pending.append(row)
-        pending_loss.append(loss)
         if rank == 0:
-            reporter.on_step(step, dt)
+            reporter.on_step(step, host_dt)
         done = step + 1
-        if step >= targs.warmup_steps:  # on every rank: the count gates the collective below
-            timed_steps.append(dt)
+        due = targs.checkpoint_every > 0 and targs.checkpoint_dir and done % targs.checkpoint_every == 0
+        flushed = False
+        if done % max(1, targs.log_every) == 0 or done == targs.steps or due:
+            # every log_every steps (and before a checkpoint, at the end): the one read-back of the
+            # batch's metrics, and of its step times where they come from device events
+            rows = flush()
+            flushed = True
+            if not clock.host_timed:
+                timed_steps.extend(r["step_time_s"] for r in rows if r["step"] >= targs.warmup_steps)
         measured = False
         if targs.measure == "adaptive" and done < targs.steps and len(timed_steps) >= measure.MIN_TIMED:
-            # rank 0 decides (its times); the others only take its answer
-            measured = _agree(rank == 0 and measure.enough(timed_steps, targs.measure_tolerance), device, world)
-        due = targs.checkpoint_every > 0 and targs.checkpoint_dir and done % targs.checkpoint_every == 0
-        if done % max(1, targs.log_every) == 0 or done == targs.steps or due or measured:
-            flush()
+            # rank 0 decides (its times, each step on the CPU, at each read-back elsewhere); the
+            # others only take its answer
+            if clock.host_timed or flushed:
+                measured = _agree(rank == 0 and measure.enough(timed_steps, targs.measure_tolerance), device, world)
+            if measured and not flushed:
+                flush()
         if due:
             path = ckpt.save(targs.checkpoint_dir, done, model.modules, optims, {"scaler": scaler.state_dict()})
             if rank == 0:
@@ -253,7 +236,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     peaks = _gather(mem["allocated"], device, world)
     reserved = _gather(mem["reserved"], device, world)
     device_used = _gather(mem["device_used"], device, world)
-    skipped = _gather(float(scaler.skipped_steps), device, world)
+    skipped = _gather(float(scaler.skipped_steps), device, world)  # a host read, once, after the loop
     held = {k: _gather(float((state_bytes or {}).get(k, 0)), device, world) for k in ("params", "grads", "optimizer")}
     param_sum_final = param_checksum(model.params, mesh)
     tp_divergence = model.tp_replica_divergence()
@@ -277,7 +260,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         "device_mem_used_gb": max(device_used),
         "n_params": n_params,
         "mfu": (flops_per_token * tokens_per_step / median) / peak_flops if peak_flops > 0 else None,
-        "skipped_steps_total": scaler.skipped_steps,
+        "skipped_steps_total": int(skipped[0]),
         "skipped_steps_per_rank": [int(v) for v in skipped],
         "param_sum_initial": param_sum_initial,
         "param_sum_final": param_sum_final,

@@ -1,14 +1,15 @@
 """Numerics: where a non-finite value starts, and per-layer statistics of activations and
 gradients in the dtypes that matter.
 
-``FiniteTracker`` is always on: one fp32 sum per block output (:func:`finite_probe`), kept on the device
-(no host sync) until a step goes non-finite; then the first block whose forward output was
-non-finite names the layer. ``PrecisionMonitor`` (``precision.monitor=k``) records, every k
-steps, per block: max |x| and mean |x| of the forward output and of the gradient flowing into
-it, the count of inf/nan, and the fractions of values that would overflow or underflow fp16 and
-bf16 (values are measured as computed; under tensor or sequence parallelism, on this rank's
-shard). A few channel means are kept as a fingerprint, so two runs (two chips, two dtypes) can
-be compared layer by layer with a cosine similarity.
+``FiniteTracker`` is always on: one fp32 sum per block output (:func:`finite_probe`), kept on the
+device (no host sync); when a step goes non-finite, the first block whose forward output was
+non-finite names the layer (read back with the step's other metrics, ``trainers/step_log.py``).
+``PrecisionMonitor`` (``precision.monitor=k``) records, every k steps, per block: max |x| and mean
+|x| of the forward output and of the gradient flowing into it, the count of inf/nan, and the
+fractions of values that would overflow or underflow fp16 and bf16 (values are measured as
+computed; under tensor or sequence parallelism, on this rank's shard). A few channel means are
+kept as a fingerprint, so two runs (two chips, two dtypes) can be compared layer by layer with a
+cosine similarity.
 """
 
 from __future__ import annotations
@@ -63,13 +64,20 @@ class FiniteTracker:
     def reset(self) -> None:
         self.sums.zero_()
 
+    def local_first(self) -> torch.Tensor:
+        """This rank's smallest non-finite block index of the step, as a 0-dim fp32 tensor on the
+        device (``2**30`` when none): no host read, no collective (``trainers/step_log.py`` takes
+        the job's minimum when a step overflowed)."""
+        none = torch.full((), float(self.none), dtype=torch.float32, device=self.sums.device)
+        if not self.sums.numel():
+            return none
+        return torch.where(torch.isfinite(self.sums), none, self.layers.float()).min()
+
     def first_layer(self) -> Optional[int]:
         """All ranks: the smallest non-finite layer index over the job (a collective)."""
         import torch.distributed as dist
 
-        none = torch.full((), self.none, dtype=torch.int64, device=self.sums.device)
-        bad = torch.where(torch.isfinite(self.sums), none, self.layers)
-        first = bad.min() if bad.numel() else none
+        first = self.local_first()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(first, op=dist.ReduceOp.MIN)
         value = int(first)

@@ -18,7 +18,7 @@ Per parameter, in bytes: 4 + 4 grads + 8 fp32; 2 + 2 + 12 (16-bit with master); 
 from __future__ import annotations
 
 import math
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -56,7 +56,10 @@ class MasterAdamW(torch.optim.Optimizer):
         return state
 
     @torch.no_grad()
-    def step(self, closure=None, grad_scale: float = 1.0):
+    def step(self, closure=None, grad_scale=1.0, found_inf: Optional[torch.Tensor] = None):
+        """``grad_scale``: a float or a 0-dim tensor on the device; ``found_inf``: a 0-dim float
+        tensor, 1 where the step overflowed. Such a step changes nothing (parameter, master,
+        moments, step count), decided on the device, with no host round trip."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -73,16 +76,29 @@ class MasterAdamW(torch.optim.Optimizer):
                     grad = grad.redistribute(p.device_mesh, p.placements)
                 # local shards from here: master, moments, parameter and gradient share placements
                 g = local(grad).float()  # the transient fp32 gradient, dropped with this iteration
-                if grad_scale != 1.0:
-                    g.mul_(grad_scale)
                 master, m, v = (local(state[k]) for k in MASTER_STATE)
-                state["step"] += 1
-                t = float(state["step"])
-                master.mul_(1 - lr * wd)
-                m.lerp_(g, 1 - beta1)
-                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
-                master.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+                if found_inf is None:
+                    if not (isinstance(grad_scale, float) and grad_scale == 1.0):
+                        g.mul_(grad_scale)
+                    state["step"] += 1
+                    t = float(state["step"])
+                    master.mul_(1 - lr * wd)
+                    m.lerp_(g, 1 - beta1)
+                    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                    denom = (v.sqrt() / math.sqrt(1 - beta2**t)).add_(eps)
+                    master.addcdiv_(m, denom, value=-lr / (1 - beta1**t))
+                else:
+                    apply = 1.0 - found_inf.to(device=g.device, dtype=torch.float32)
+                    # an overflowed step's gradient is zeroed (inf x 0 is NaN: nan_to_num) and every
+                    # rate below is multiplied by `apply`, so the state comes out as it went in
+                    g.mul_(grad_scale * apply).nan_to_num_(0.0, 0.0, 0.0)
+                    step_t = state["step"] = state["step"].to(g.device) + apply
+                    t = torch.clamp(step_t, min=1.0)
+                    master.mul_(1 - lr * wd * apply)
+                    m.lerp_(g, (1 - beta1) * apply)
+                    v.mul_(1 - (1 - beta2) * apply).addcmul_(g, g, value=1 - beta2)
+                    denom = (v.sqrt() / torch.sqrt(1 - beta2**t)).add_(eps)
+                    master.add_(torch.div(m, denom, out=denom).mul_(-lr * apply / (1 - beta1**t)))
                 local(p).copy_(master)
         return loss
 
@@ -121,17 +137,45 @@ def build_optimizer(
     sixteen = any(p.dtype in (torch.float16, torch.bfloat16) for p in params)
     if sixteen and precision.master_weights_fp32:
         return MasterAdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8)
-    return torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, foreach=True)
+    kind = {"fused": True} if fused_on(params[0].device.type if params else "cpu") else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=a.lr, betas=(a.beta1, a.beta2), eps=1e-8, **kind)
+
+
+def fused_on(device_type: str) -> bool:
+    """Whether AdamW runs torch's fused kernel here: one kernel per parameter group that unscales
+    the gradients by a device tensor and skips an overflowed step by a device flag
+    (``grad_scale`` / ``found_inf``, the protocol ``torch.amp.GradScaler`` drives; DTensor
+    parameters dispatch it shard by shard). CUDA and CPU have the kernel (``_fused_adamw_``, CPU
+    since torch 2.4). Not on Ascend: torch_npu routes ``fused=True`` to ``aclnnApplyAdamWV2``
+    only on recent stacks, and recipes written for it turn it off ("fused: False # not
+    supported on Ascend NPU device", torchtune's NPU recipes), so the NPU takes the foreach path
+    (:func:`step`)."""
+    return device_type in ("cuda", "cpu")
 
 
 @torch.no_grad()
-def step(optim: torch.optim.Optimizer, grad_scale: float) -> None:
+def step(optim: torch.optim.Optimizer, grad_scale, found_inf: Optional[torch.Tensor] = None, sync_skip: bool = False):
     """One optimizer step with the gradients multiplied by ``grad_scale`` (1 / loss scale times
-    the clipping coefficient): inside the step, in fp32, for master weights; in place otherwise."""
+    the clipping coefficient, a 0-dim device tensor or a float), skipped where ``found_inf``
+    (a 0-dim float tensor) is 1.
+
+    On the device, without a host round trip: the fused kernel's own ``grad_scale`` (it divides)
+    and ``found_inf``; :class:`MasterAdamW` by its rates times ``1 - found_inf``. The foreach
+    kernels have no skip flag: with ``sync_skip`` (a loss scaler is on, so overflows are expected
+    and must be skipped) the flag is read back to the host, the one sync such a step keeps;
+    without it a non-finite step is not skipped here (the trial ends at the next metric read)."""
     if isinstance(optim, MasterAdamW):
-        optim.step(grad_scale=grad_scale)
+        optim.step(grad_scale=grad_scale, found_inf=found_inf)
         return
-    if grad_scale != 1.0:
+    if optim.defaults.get("fused"):
+        scale = grad_scale if torch.is_tensor(grad_scale) else torch.tensor(float(grad_scale))
+        optim.grad_scale = (1.0 / scale).to(torch.float32)  # type: ignore[attr-defined]
+        optim.found_inf = found_inf  # type: ignore[attr-defined]
+        optim.step()
+        return
+    if found_inf is not None and sync_skip and bool(found_inf.item()):
+        return
+    if torch.is_tensor(grad_scale) or grad_scale != 1.0:
         # one multi-tensor kernel over the local gradients (as torch's own clip_grad_norm_ does),
         # not one small kernel per parameter
         grads = [local(p.grad) for group in optim.param_groups for p in group["params"] if p.grad is not None]

@@ -8,26 +8,23 @@
   autocast's own per-op fp32 lists differ between CUDA, CPU and NPU.
 * ``precision.loss_scale``: none, dynamic, or static (``init_scale`` kept for the whole run).
 
-The loss scaler is written against plain gradients plus one all-reduce of the overflow flag over
-the whole job, so every rank skips an overflowed step together, whatever parallel layout holds
-the parameters. It does not unscale the gradients itself: the optimizer step takes
-``1 / scale`` (times the clipping coefficient) as one multiplier, applied in fp32 where master
-weights are kept (``trainers/optim.py``), so small fp16 gradients are not flushed to zero by an
-unscale in fp16 (as Megatron unscales its fp32 main gradients).
+The loss scaler is written against plain gradients: a step overflowed exactly when the global
+gradient norm (``trainers.parallel.global_grad_norm``, one all-reduce over the whole job) is not
+finite, so every rank skips an overflowed step together, whatever parallel layout holds the
+parameters. It does not unscale the gradients itself: the optimizer step takes ``1 / scale``
+(times the clipping coefficient) as one multiplier, applied in fp32 where master weights are kept
+(``trainers/optim.py``), so small fp16 gradients are not flushed to zero by an unscale in fp16
+(as Megatron unscales its fp32 main gradients). Nothing here reads a value back to the host.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
 
 import torch
-import torch.distributed as dist
 
 from trainers.config import PrecisionConfig
 from trainers.model import Attention, LayerNorm, RMSNorm
-from trainers.monitor import finite_probe
-from trainers.parallel import local
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_OPS = ("softmax", "layer_norm", "rms_norm")
@@ -77,73 +74,74 @@ class LossScaler:
     (Megatron's convention); after ``growth_interval`` clean steps it grows by ``growth_factor``.
     ``static``: the scale stays ``init_scale``; overflowed steps are still skipped and counted.
     Either way every overflowed step is skipped, and ``max_consecutive_skips`` in a row end the
-    trial (the loop raises).
+    trial (the loop raises when it reads the counters back).
+
+    The state lives on the device as 0-dim tensors and :meth:`update` is a handful of tensor ops
+    on them, so the overflow decision and the scale's move never wait on the host: the loop reads
+    ``scale``, ``skipped_steps`` and ``skipped_in_row`` back with the other metrics every
+    ``trainer.log_every`` steps (torch's ``GradScaler`` keeps its scale on the device the same way,
+    ``torch._amp_update_scale_``; this one adds Megatron's hysteresis).
     """
 
     def __init__(self, args: PrecisionConfig, device: torch.device):
         self.enabled = args.loss_scale in ("dynamic", "static")
         self.dynamic = args.loss_scale == "dynamic"
-        self.scale = float(args.init_scale) if self.enabled else 1.0
         self.growth_interval, self.growth_factor = args.growth_interval, args.growth_factor
         self.backoff_factor, self.hysteresis = args.backoff_factor, max(1, args.hysteresis)
         self.device = device
-        self._clean_steps, self._overflows_left = 0, self.hysteresis
-        self.skipped_steps = 0
-        self.skipped_in_row = 0
         self.max_consecutive_skips = args.max_consecutive_skips
+
+        def zero() -> torch.Tensor:
+            return torch.zeros((), dtype=torch.float32, device=device)
+
+        self.scale = torch.full((), float(args.init_scale) if self.enabled else 1.0, device=device)
+        self.skipped_steps, self.skipped_in_row = zero(), zero()
+        self._clean_steps, self._overflows_left = zero(), zero() + self.hysteresis
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale if self.enabled else loss
 
-    def all_finite(self, params: Iterable[torch.nn.Parameter]) -> bool:
-        """True when every rank's gradients are finite (a collective when scaling is on). The
-        gradients are left scaled: the optimizer step divides by :attr:`scale`."""
-        if not self.enabled:
-            return True
-        # every gradient's fp32 sum, added up: finite exactly when every value is (trainers.monitor.
-        # finite_probe); one read of each gradient, where isfinite().any() makes two temporaries
-        probes = [finite_probe(local(p.grad)) for p in params if p.grad is not None]
-        total = torch.stack(probes).sum() if probes else torch.zeros((), device=self.device)
-        found_inf = (~torch.isfinite(total)).float().reshape(1)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        return bool(found_inf.item() == 0)
-
-    def update(self, finite: bool) -> None:
+    def update(self, found_inf: torch.Tensor) -> None:
+        """One step's verdict, ``found_inf`` a 0-dim float tensor (1: the step overflowed and was
+        skipped), taken on the device: no host round trip."""
         if not self.enabled:
             return
-        self.skipped_in_row = 0 if finite else self.skipped_in_row + 1
-        if finite:
-            self._clean_steps += 1
-            self._overflows_left = self.hysteresis
-            if self.dynamic and self._clean_steps % self.growth_interval == 0:
-                self.scale *= self.growth_factor
-            return
-        self.skipped_steps += 1
-        self._clean_steps = 0
-        self._overflows_left -= 1
-        if self._overflows_left <= 0:
-            if self.dynamic:
-                self.scale = max(self.scale * self.backoff_factor, 1.0)
-            self._overflows_left = self.hysteresis
+        bad = found_inf.reshape(()).to(torch.float32)
+        ok = 1.0 - bad
+        self.skipped_steps.add_(bad)
+        self.skipped_in_row.add_(1.0).mul_(bad)  # one more in a row, or back to none
+        self._clean_steps.add_(1.0).mul_(ok)
+        # an overflow takes one from the hysteresis budget; a clean step refills it
+        left = torch.where(bad > 0, self._overflows_left - 1.0, torch.full_like(bad, self.hysteresis))
+        backoff = (bad > 0) & (left <= 0)
+        self._overflows_left.copy_(torch.where(backoff, torch.full_like(bad, self.hysteresis), left))
+        if self.dynamic:
+            grow = (ok > 0) & (torch.remainder(self._clean_steps, self.growth_interval) == 0)
+            scaled = torch.where(grow, self.scale * self.growth_factor, self.scale)
+            self.scale.copy_(torch.where(backoff, torch.clamp(self.scale * self.backoff_factor, min=1.0), scaled))
 
     def state_dict(self) -> dict:
+        """Host numbers (a checkpoint's extra state): read back here, at checkpoint time only."""
         return {
-            "scale": self.scale,
-            "clean_steps": self._clean_steps,
-            "overflows_left": self._overflows_left,
-            "skipped_steps": self.skipped_steps,
+            "scale": float(self.scale),
+            "clean_steps": int(self._clean_steps),
+            "overflows_left": int(self._overflows_left),
+            "skipped_steps": int(self.skipped_steps),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale, self._clean_steps = state["scale"], state["clean_steps"]
-        self._overflows_left, self.skipped_steps = state["overflows_left"], state["skipped_steps"]
+        self.scale.fill_(float(state["scale"]))
+        self._clean_steps.fill_(float(state["clean_steps"]))
+        self._overflows_left.fill_(float(state["overflows_left"]))
+        self.skipped_steps.fill_(float(state["skipped_steps"]))
 
 
-def grad_multiplier(scaler: LossScaler, grad_norm: float, max_norm: float) -> float:
-    """What the optimizer multiplies the raw (scaled) gradients by: ``1 / scale`` times the
-    clipping coefficient, computed from the true (unscaled) global norm ``grad_norm``."""
-    coef = 1.0
-    if max_norm > 0 and grad_norm == grad_norm and grad_norm > max_norm:
-        coef = max_norm / (grad_norm + 1e-6)
+def grad_multiplier(scaler: LossScaler, grad_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What the optimizer multiplies the raw (scaled) gradients by, on the device: ``1 / scale``
+    times the clipping coefficient, computed from the true (unscaled) global norm ``grad_norm``
+    (a 0-dim tensor). Non-finite where the norm is; such a step is skipped whatever this says."""
+    norm = grad_norm.to(torch.float32)
+    coef = torch.ones_like(norm)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     return coef / scaler.scale if scaler.enabled else coef
