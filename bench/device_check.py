@@ -1,23 +1,49 @@
 """The prepared device check: what a lent GPU (or NPU) machine runs, in one table.
 
-    python bench/device_check.py            # on a machine with a GPU: the real check, < 8 min on one
-    python bench/device_check.py --dry      # anywhere: gpt_tiny on the CPU, the check's own plumbing
+    python bench/device_check.py            # on a machine with a GPU: the real check, < 8 min on one H200
+    python bench/device_check.py --dry      # anywhere: gpt_tiny and llama_tiny on the CPU, the check's plumbing
 
-Real mode (a CUDA GPU or an Ascend NPU is visible, the chip detected by its full name):
-``gpt2_small`` trials through the real entry path (``orchestrator.trial.run``: validation,
-planner preflight, torch's elastic launcher, the trainer, MLflow in a temporary sqlite store):
+Real mode (a CUDA GPU or an Ascend NPU is visible, the chip detected by its full name): trials
+through the real entry path (``orchestrator.trial.run``: validation, planner preflight, torch's
+elastic launcher, the trainer, MLflow in a temporary sqlite store), of two models:
 
-- bf16 and fp16 at world size 1, and at world size 2 where the machine has two devices;
-- compile on (the device's default backend) beside compile off, bf16, world size 1;
-- the profiler over a window of each bf16 trial: compute share and exposed communication share;
-- the communicator's memory measured by ``bench/comm_memory.py`` beside the planner's term.
+- ``gpt2_small`` (124M) at its full context: 16 sequences of 1024 tokens a step, micro-batches
+  of 8 (two accumulated), 40 steps, the first 10 not timed;
+- ``llama_1b`` (``conf/model/llama_1b.yaml``, 1.04B, grouped-query attention) at 2048 tokens:
+  16 sequences a step in one micro-batch of 16, which the planner puts at about 74 GiB of the
+  H200's 141 GB (params, grads and AdamW state 15.5, activations 54), 10 steps, 3 not timed;
 
-Per trial the table gives the median step time after the warm-up, tokens/s, the MFU against the
+each in bf16 and fp16, compile off, then compile on (the device's default backend, per block) in
+bf16 and then fp16 while the time budget (``--budget-s``, 480) allows: a row whose estimate (the
+walls its model's earlier rows took) would end past it is recorded ``skipped (budget)``. At world
+size 2 too (gpt2_small, compile off) where the machine has two devices. Every trial is profiled
+over a window of timed steps: compute share and exposed communication share. Then
+``bench/comm_memory.py`` measures the communicator's memory beside the planner's term, and last
+(so no trial shares the device with this process's context) ``bench/plain_loop.py`` trains each
+row's model in this process, same micro-batch, accumulation, sequence length, dtype and compile
+setting, timed by device events with one synchronisation at the end.
+
+Per row the table gives the median step time after the warm-up, tokens/s, the MFU against the
 detected chip's dense peak for the dtype, the planner's memory per rank against what the
-allocator reserved (and what the device itself reports used), and the profile split. Dry mode
-runs the same rows with gpt_tiny on the CPU (gloo, a few steps, compile off) and checks that
-every row finished and every column the real mode fills is there. Exit code 1 when a row failed.
-``--out DIR`` (default ``$OUT`` when set) also writes ``device_check.md`` and ``.json``.
+allocator allocated and reserved and what the device itself reports used, the profile split, the
+plain loop's step time and MFU (same FLOPs, same peak) and ``trainer_over_plain`` (the trainer's
+MFU over the plain loop's, = plain step time / trainer step time).
+
+The estimate of the real mode on one H200, from FLOPs at about 40% of the 989 TFLOP/s dense bf16
+peak (396 TFLOP/s): gpt2_small 0.86 GFLOP a token (6N + 12 L d T) x 16,384 tokens = 14 TFLOP, 36
+ms a step, 1.4 s of compute per 40-step run; llama_1b 7.0 GFLOP a token x 32,768 = 230 TFLOP, 0.58
+s a step, 6 s per 10-step run. Around that: a trial's start (launcher, worker imports, CUDA
+context, the model's initialisation on the host, MLflow) about 20 s for gpt2_small and 30 s for
+llama_1b, a plain loop's model build 3 and 10 s, and a compile of one block's forward and backward
+about 40 s in the trial and again in the plain loop (Inductor's on-disk cache may shorten the
+second). Compile-off rows: gpt2_small 3 x 26 s, llama_1b 3 x 52 s (each row trial + plain loop),
+the bf16 compile rows +80 s each, the communicator 15 s: about 7 min; the fp16 compile rows
+run only if the rest came in under that.
+
+Dry mode runs gpt_tiny (bf16, fp16, and at world size 2 over gloo) and llama_tiny (bf16, fp16)
+on the CPU, a few steps, compile off, and checks that every row finished and every column the
+real mode fills is there. Exit code 1 when a row failed (a row skipped for the budget is not a
+failure). ``--out DIR`` (default ``$OUT`` when set) also writes ``device_check.md`` and ``.json``.
 """
 
 from __future__ import annotations
@@ -30,6 +56,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -51,56 +78,109 @@ COLUMNS = [
     ("plan_over_reserved", "{:.2f}"),
     ("compute_share", "{:.1%}"),
     ("comm_share", "{:.1%}"),
+    ("plain_step_s", "{:.4f}"),
+    ("plain_mfu", "{:.1%}"),
+    ("trainer_over_plain", "{:.2f}"),
     ("wall_s", "{:.0f}"),
 ]
 
+# Per model: the overrides, steps, warm-up steps (not timed) and the profiler's window (start,
+# steps), inside the timed steps. Dry: the CPU presets at trainer=smoke's shapes.
+MODELS = {
+    "gpt2_small": dict(
+        overrides=["trainer.seq_len=1024", "trainer.global_batch=16", "trainer.micro_batch=8"],
+        steps=40,
+        warmup=10,
+        window=(32, 3),
+        guess_s=30.0,  # a row's trial, before any row of the model has run (compile-off; compile x3)
+    ),
+    "llama_1b": dict(
+        overrides=["trainer.seq_len=2048", "trainer.global_batch=16", "trainer.micro_batch=16"],
+        steps=10,
+        warmup=3,
+        window=(6, 2),
+        guess_s=45.0,
+    ),
+}
+DRY_MODELS = {
+    "gpt_tiny": dict(overrides=["trainer=smoke"], steps=6, warmup=2, window=(2, 2), guess_s=10.0),
+    "llama_tiny": dict(overrides=["trainer=smoke"], steps=6, warmup=2, window=(2, 2), guess_s=10.0),
+}
+PLAIN_SHARE = 0.7  # a plain loop's wall against its trial's, for the budget before it has run
+COMM_RESERVE_S = 20.0  # bench/comm_memory.py's processes, kept back from the budget
+
 
 def cases(dry: bool, devices: int) -> list[dict]:
-    """The rows: (name, world, dtype, compile, profile)."""
-    rows = [
-        dict(case="bf16", world=1, dtype="bf16", compile=False, profile=True),
-        dict(case="fp16", world=1, dtype="fp16", compile=False, profile=False),
-    ]
-    if not dry:
-        rows.append(dict(case="bf16+compile", world=1, dtype="bf16", compile=True, profile=False))
+    """The rows, in the order they run (what matters most first: the budget cuts from the end)."""
+    models = DRY_MODELS if dry else MODELS
+    rows = []
+    for model in models:
+        for dtype in ("bf16", "fp16"):
+            rows.append(dict(model=model, world=1, dtype=dtype, compile=False))
+    first = next(iter(models))
     if dry or devices >= 2:
-        rows.append(dict(case="bf16 x2", world=2, dtype="bf16", compile=False, profile=True))
-        rows.append(dict(case="fp16 x2", world=2, dtype="fp16", compile=False, profile=False))
+        for dtype in ("bf16", "fp16"):
+            rows.append(dict(model=first, world=2, dtype=dtype, compile=False))
+    if not dry:
+        for dtype in ("bf16", "fp16"):
+            for model in models:
+                rows.append(dict(model=model, world=1, dtype=dtype, compile=True))
+    for r in rows:
+        r["case"] = (
+            f"{r['model']} {r['dtype']}" + ("+compile" if r["compile"] else "") + (" x2" if r["world"] > 1 else "")
+        )
+        r["profile"] = True
     return rows
 
 
-def overrides(row: dict, dry: bool, uri: str, steps: int) -> list[str]:
+def model_setup(row: dict, dry: bool, steps: int = 0) -> dict:
+    setup = dict((DRY_MODELS if dry else MODELS)[row["model"]])
+    if steps:  # --steps: the same warm-up, the window just before the end
+        setup["steps"] = steps
+        setup["warmup"] = min(setup["warmup"], max(steps - 3, 0))
+        setup["window"] = (max(steps - setup["window"][1] - 1, setup["warmup"]), setup["window"][1])
+    return setup
+
+
+def overrides(row: dict, dry: bool, uri: str, steps: int = 0) -> list[str]:
+    setup = model_setup(row, dry, steps)
     base = [f"tracking.uri={uri}", "tracking.experiment=device_check", f"precision={row['dtype']}"]
-    base += [f"parallel.dp={row['world']}", f"launch.world_size={row['world']}"]
+    base += [f"parallel.dp={row['world']}", f"launch.world_size={row['world']}", f"model={row['model']}"]
     if dry:
-        base += ["+chip=cpu", "model=gpt_tiny", "trainer=smoke", f"trainer.steps={steps}", "trainer.warmup_steps=2"]
-        window = (2, 2)
-    else:
-        # gpt2_small at its full context: 16 sequences of 1024 tokens per step, micro-batches of 8
-        base += ["model=gpt2_small", f"trainer.steps={steps}", "trainer.warmup_steps=10", "trainer.seq_len=1024"]
-        base += ["trainer.global_batch=16", "trainer.micro_batch=8", "data.num_workers=2"]
-        window = (steps - 8, 3)
+        base.append("+chip=cpu")
+    base += setup["overrides"]
+    base += [f"trainer.steps={setup['steps']}", f"trainer.warmup_steps={setup['warmup']}"]
     if row["compile"]:
         base.append("trainer.compile=true")
     if row["profile"]:
-        base += ["trainer.profile=true", f"trainer.profile_start={window[0]}", f"trainer.profile_steps={window[1]}"]
+        start, n = setup["window"]
+        base += ["trainer.profile=true", f"trainer.profile_start={start}", f"trainer.profile_steps={n}"]
     return base
 
 
-def run_row(row: dict, dry: bool, uri: str, steps: int, workdir: Path) -> dict:
-    from hydra import compose, initialize_config_dir
+def compose(ov: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
-    from orchestrator import conf_dir, trial
+    from orchestrator import conf_dir
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return hydra_compose("config", overrides=ov)
+
+
+def run_row(row: dict, dry: bool, uri: str, steps: int, workdir: Path) -> dict:
+    from orchestrator import trial
 
     ov = overrides(row, dry, uri, steps)
     t0 = time.perf_counter()
     os.chdir(workdir)  # profiles/ and checkpoints/ of the trial land here
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=ov)
+    cfg = compose(ov)
     try:
         result = trial.run(cfg, ov, progress=False)
     except trial.ConfigError as err:
-        return {**row, "status": "config error", "reason": "; ".join(err.errors)}
+        return {**row, "status": "config error", "reason": "; ".join(err.errors), "overrides": ov}
     s = result.get("summary") or {}
     pre = result.get("preflight") or {}
     out = {
@@ -118,10 +198,66 @@ def run_row(row: dict, dry: bool, uri: str, steps: int, workdir: Path) -> dict:
         "plan_over_reserved": s.get("mem_plan_ratio"),
         "compute_share": s.get("compute_share"),
         "comm_share": s.get("comm_share"),
-        "wall_s": time.perf_counter() - t0,
+        "trial_wall_s": time.perf_counter() - t0,
         "run_id": result.get("run_id"),
+        "overrides": ov,
     }
     return out
+
+
+def plain_key(row: dict) -> tuple:
+    """Rows that share a plain loop: the same model, dtype and compile setting (the plain loop
+    does a step's whole global batch in one process, whatever the trial's world size)."""
+    return (row["model"], row["dtype"], row["compile"])
+
+
+def plain_rows(rows: List[dict], dry: bool, steps: int, device: str, deadline: float) -> None:
+    """Fill each finished row's plain-loop columns (``bench/plain_loop.py``), one loop per
+    :func:`plain_key`, in this process, after every trial; skipped past ``deadline``."""
+    from bench.plain_loop import plain_loop_stats
+    from orchestrator import trial
+
+    done: Dict[tuple, dict] = {}
+    for r in rows:
+        r["wall_s"] = r.get("trial_wall_s")
+        if r.get("status") != "finished":
+            continue
+        key = plain_key(r)
+        if key not in done:
+            estimate = PLAIN_SHARE * r.get("trial_wall_s", 0.0)
+            if time.perf_counter() + estimate > deadline:
+                done[key] = {"plain_status": "skipped (budget)"}
+            else:
+                setup = model_setup(r, dry, steps)
+                t0 = time.perf_counter()
+                try:
+                    spec = trial.build_spec(trial.prepare(compose(r["overrides"])))
+                    stats = plain_loop_stats(spec, setup["steps"], setup["warmup"], device=device)
+                    done[key] = {"plain_status": "finished", "plain_step_s": stats["step_s"]}
+                    done[key]["plain_allocated_gb"] = stats["allocated_gb"]
+                    done[key]["plain_reserved_gb"] = stats["reserved_gb"]
+                except Exception as err:  # one loop's failure (out of memory, a compile error) is one row's
+                    reason = (str(err).strip().splitlines() or [""])[0][:200]
+                    done[key] = {"plain_status": f"failed: {type(err).__name__}: {reason}"}
+                # the row that ran the loop carries its wall time; rows sharing it carry none
+                r["wall_s"] = r["wall_s"] + time.perf_counter() - t0
+        r.update(done[key])
+        plain = r.get("plain_step_s")
+        if plain and r.get("step_s"):
+            r["trainer_over_plain"] = plain / r["step_s"]
+            r["plain_mfu"] = r["mfu"] * r["step_s"] / plain if r.get("mfu") is not None else None
+
+
+def estimate_s(row: dict, history: List[dict], dry: bool) -> float:
+    """A row's trial wall time from its model's earlier rows (a compiled row from the model's
+    last compiled one, else three times a compile-off one), else the model's guess."""
+    same = [h for h in history if h["model"] == row["model"] and h.get("trial_wall_s")]
+    like = [h["trial_wall_s"] for h in same if h["compile"] == row["compile"]]
+    if like:
+        return like[-1]
+    base = [h["trial_wall_s"] for h in same if not h["compile"]]
+    guess = base[-1] if base else model_setup(row, dry)["guess_s"]
+    return guess * (3 if row["compile"] else 1)
 
 
 def comm_memory_row(dry: bool) -> dict:
@@ -167,10 +303,11 @@ def table(rows: list[dict], comm: dict) -> str:
 
 def check_dry(rows: list[dict], comm: dict) -> list[str]:
     """What the dry mode holds its own plumbing to: every row finished with every figure the
-    real mode reports (MFU stays unknown on an emulated or CPU chip only if the chip has no peak)."""
+    real mode reports, the plain loop's included (MFU stays unknown on an emulated or CPU chip
+    only if the chip has no peak)."""
     problems = []
-    needed = ["step_s", "tokens_per_s", "planned_gb", "reserved_gb", "allocated_gb", "device_used_gb"]
-    needed.append("plan_over_reserved")
+    needed = ["step_s", "tokens_per_s", "mfu", "planned_gb", "reserved_gb", "allocated_gb", "device_used_gb"]
+    needed += ["plan_over_reserved", "plain_step_s", "plain_mfu", "trainer_over_plain"]
     for r in rows:
         if r["status"] != "finished":
             problems.append(f"{r['case']}: {r['status']} {r.get('reason', '')}")
@@ -181,6 +318,8 @@ def check_dry(rows: list[dict], comm: dict) -> list[str]:
             shares = (r.get("compute_share") or 0) + (r.get("comm_share") or 0)
             if shares > 1 + 1e-9:
                 problems.append(f"{r['case']}: compute + comm share {shares:.3f} > 1")
+        if r.get("plain_status", "finished") != "finished":
+            problems.append(f"{r['case']}: plain loop {r['plain_status']}")
         if missing:
             problems.append(f"{r['case']}: no {', '.join(missing)}")
     if comm.get("status") != "finished":
@@ -188,10 +327,27 @@ def check_dry(rows: list[dict], comm: dict) -> list[str]:
     return problems
 
 
+def run_rows(dry: bool, count: int, uri: str, steps: int, workdir: Path, deadline: float) -> List[dict]:
+    """Each row's trial, in order, while its estimate (and the plain loops and communicator
+    check still to come) ends before ``deadline``."""
+    rows: List[dict] = []
+    for row in cases(dry, count):
+        trial_s = estimate_s(row, rows, dry)
+        pending = sum(PLAIN_SHARE * r["trial_wall_s"] for r in rows if r.get("trial_wall_s"))
+        if time.perf_counter() + trial_s * (1 + PLAIN_SHARE) + pending + COMM_RESERVE_S > deadline:
+            rows.append({**row, "status": "skipped (budget)", "reason": f"estimated {trial_s:.0f} s"})
+            continue
+        rows.append(run_row(row, dry, uri, steps, workdir))
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dry", action="store_true", help="gpt_tiny on the CPU: the check's own plumbing")
-    ap.add_argument("--steps", type=int, default=0, help="steps per trial (default 40; dry 6)")
+    ap.add_argument("--dry", action="store_true", help="gpt_tiny and llama_tiny on the CPU: the check's own plumbing")
+    ap.add_argument("--steps", type=int, default=0, help="steps per trial (default per model: 40, 10; dry 6)")
+    ap.add_argument(
+        "--budget-s", type=float, default=None, help="the whole check's time, rows past it skipped (480; dry: none)"
+    )
     ap.add_argument("--out", default=os.environ.get("OUT"), help="also write device_check.md/.json here")
     args = ap.parse_args()
 
@@ -200,21 +356,29 @@ def main() -> int:
 
     kind, count = device_kind()
     dry = args.dry or kind == "cpu"
-    steps = args.steps or (6 if dry else 40)
     register_configs()
     started = time.perf_counter()
+    budget = args.budget_s if args.budget_s is not None else (float("inf") if dry else 480.0)
+    deadline = started + budget
     with tempfile.TemporaryDirectory() as tmp:
         uri = "sqlite:///" + str(Path(tmp) / "mlruns.db")
-        rows = [run_row(r, dry, uri, steps, Path(tmp)) for r in cases(dry, count)]
+        rows = run_rows(dry, count, uri, args.steps, Path(tmp), deadline)
         os.chdir(ROOT)
     comm = comm_memory_row(dry)
+    # last: this process takes the device only once no trial or communicator check needs it clean
+    plain_rows(rows, dry, args.steps, "cpu" if dry else kind, deadline)
     text = table(rows, comm)
     mode = "dry (CPU plumbing)" if dry else f"{kind} x{count}"
-    print(f"device check: {mode}, {steps} steps per trial, {time.perf_counter() - started:.0f} s in all")
+    models = DRY_MODELS if dry else MODELS
+    steps = ", ".join(f"{m} {model_setup(dict(model=m), dry, args.steps)['steps']}" for m in models)
+    print(f"device check: {mode}, steps per trial: {steps}; {time.perf_counter() - started:.0f} s in all")
     print(text)
-    failed = [r for r in rows if r.get("status") != "finished"]
-    for r in failed:
-        print(f"{r['case']}: {r.get('status')}: {r.get('reason', '')}")
+    failed = [r for r in rows if r.get("status") not in ("finished", "skipped (budget)")]
+    for r in rows:
+        if r.get("status") != "finished":
+            print(f"{r['case']}: {r.get('status')}: {r.get('reason', '')}")
+        elif r.get("plain_status") not in (None, "finished"):
+            print(f"{r['case']}: plain loop {r['plain_status']}")
     problems = check_dry(rows, comm) if dry else []
     for p in problems:
         print(f"dry-mode check: {p}")

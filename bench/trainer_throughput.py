@@ -6,7 +6,8 @@ Three variants, interleaved in one run so that they see the same machine state, 
 ``--repeats`` times; a variant's figure is the median over repeats of its median step time after
 the warm-up steps:
 
-- plain:    model + AdamW + cross-entropy on tokens already in memory; nothing else.
+- plain:    model + AdamW (the trainer's kernel) + cross-entropy on tokens already in memory;
+            nothing else (``bench/plain_loop.py``).
 - trainer:  ``trainers.loop.train`` in this process (real corpus through the DataLoader, LR
             schedule, gradient clipping, loss scaler bookkeeping, metric batching).
 - launched: the full path, ``orchestrator.trial.run``: torch's elastic launcher starts one
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,32 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
+from bench.plain_loop import plain_loop  # noqa: E402
 from orchestrator import conf_dir, trial  # noqa: E402
 from orchestrator.config import register_configs  # noqa: E402
-from trainers.config import TrialSpec  # noqa: E402
 from trainers.loop import train  # noqa: E402
-from trainers.model import GPT, cross_entropy  # noqa: E402
-
-
-def plain_loop(spec: TrialSpec, steps: int, warmup: int) -> float:
-    """Median step time of the simplest loop that trains the same model on the same shapes."""
-    t = spec.trainer
-    torch.manual_seed(t.seed)
-    model = GPT(spec.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, foreach=True)
-    accum = t.global_batch // t.micro_batch
-    vocab = spec.model.vocab_size
-    batches = [torch.randint(0, vocab, (t.micro_batch, t.seq_len + 1)) for _ in range(accum)]
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        for b in batches:
-            loss = cross_entropy(model(b[:, :-1]), b[:, 1:]) / accum
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[warmup:])
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
 ``+chip=NAME`` selects a preset from ``conf/chip``; without it the local accelerator is
 detected: an Ascend NPU when ``torch_npu`` imports and sees devices, else a CUDA GPU, else the
-CPU. Detection imports torch (and torch_npu) only when it is needed.
+CPU. Detection initialises no device in this process (:mod:`orchestrator.probe`): the driver that
+launches the workers must not hold a context on a device a worker will use.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Dict, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import conf_dir, devices
+from orchestrator import conf_dir, devices, probe
 from orchestrator.config import ChipConfig
 from trainers import rules
 from trainers.config import RuntimeConfig
@@ -47,27 +48,13 @@ def _preset_body(name: str) -> DictConfig:
     return merged
 
 
-def _npu_count() -> int:
-    if importlib.util.find_spec("torch_npu") is None:
-        return 0
-    try:
-        import torch
-        import torch_npu  # noqa: F401  registers torch.npu
-
-        return torch.npu.device_count() if torch.npu.is_available() else 0  # type: ignore[attr-defined]
-    except Exception:  # CANN missing or broken: no usable NPU
-        return 0
-
-
-def _device_facts(device_type: str) -> Tuple[str, float]:
-    """Device 0's full name and total memory (GiB), from its runtime: torch.cuda or torch_npu's
-    torch.npu, whose ``get_device_properties`` has ``name`` and ``total_memory`` as CUDA's does
-    (torch_npu ``csrc/npu/Module.cpp``)."""
-    import torch
-
-    mod = torch.cuda if device_type == "cuda" else torch.npu  # type: ignore[attr-defined]
-    props = mod.get_device_properties(0)
-    return str(mod.get_device_name(0)), float(props.total_memory) / 2**30
+def _facts(device_type: str) -> probe.Facts:
+    """What this node shows of ``device_type`` (npu | cuda), read without initialising a device in
+    this process (the driver): :func:`orchestrator.probe.probe` asks the runtime in a child
+    process, else ``npu-smi`` / ``nvidia-smi``; the name and memory are device 0's, from
+    ``get_device_name`` and ``get_device_properties(0).total_memory`` (torch_npu's
+    ``csrc/npu/Module.cpp`` has the same fields as CUDA's)."""
+    return probe.probe(device_type)
 
 
 def from_device(device_type: str, name: str, memory_gib: Optional[float], count: Optional[int]) -> DictConfig:
@@ -96,13 +83,10 @@ def from_device(device_type: str, name: str, memory_gib: Optional[float], count:
 def detect() -> DictConfig:
     """The preset of the local accelerator, by the device's full name, with its memory and
     ``devices_per_node`` read from the device; the CPU when there is none."""
-    n_npu = _npu_count()
-    if n_npu:
-        return from_device("npu", *_device_facts("npu"), n_npu)
-    import torch
-
-    if torch.cuda.is_available():
-        return from_device("cuda", *_device_facts("cuda"), torch.cuda.device_count())
+    for kind in ("npu", "cuda"):
+        found = _facts(kind)
+        if found.count:
+            return from_device(kind, found.name, found.memory_gib, found.count)
     chip = load_preset("cpu")
     chip.source = "detected"
     return chip
@@ -136,13 +120,13 @@ def availability_error(chip: DictConfig) -> Optional[str]:
             f"chip={chip.name} needs {chip.torch_plugin}, which is not installed here "
             f"(pip install '.[npu]' on a machine with Huawei CANN); {hint}"
         )
-    if chip.device_type == "npu" and _npu_count() == 0:
-        return f"chip={chip.name}: torch_npu imports but sees no NPU device; {hint}"
-    if chip.device_type == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            return f"chip={chip.name} needs CUDA devices and none is visible here; {hint}"
+    if chip.device_type == "npu":
+        found = _facts("npu")
+        if not found.count:
+            why = f" ({found.error})" if found.error else ""
+            return f"chip={chip.name}: torch_npu sees no NPU device here{why}; {hint}"
+    if chip.device_type == "cuda" and not _facts("cuda").count:
+        return f"chip={chip.name} needs CUDA devices and none is visible here; {hint}"
     return None
 
 
@@ -150,12 +134,8 @@ def visible_devices(chip: DictConfig) -> Optional[int]:
     """How many devices of this chip this node shows; None where processes are the devices."""
     if chip.emulate or chip.device_type == "cpu":
         return None
-    if chip.device_type == "cuda":
-        import torch
-
-        return torch.cuda.device_count()
-    if chip.device_type == "npu":
-        return _npu_count()
+    if chip.device_type in probe.KINDS:
+        return _facts(chip.device_type).count
     return None
 
 

@@ -8,7 +8,6 @@ import torch
 
 from trainers.precision import LossScaler, PrecisionConfig, grad_multiplier
 
-
 CPU = torch.device("cpu")
 YES, NO = torch.tensor(1.0), torch.tensor(0.0)  # found_inf: the step overflowed, or not
 

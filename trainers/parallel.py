@@ -253,19 +253,22 @@ def _materialise_partial(g: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def global_grad_norm(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> torch.Tensor:
     """The L2 norm of the whole model's gradient across TP shards, pipeline stages and replicas,
-    each value counted once: sum over ranks of (local squares / copies), one all-reduce."""
-    grads = [(p, p.grad) for p in params if p.grad is not None]
-    device = grads[0][1].device if grads else torch.device("cpu")
+    each value counted once: sum over ranks of (local squares / copies), one all-reduce. A 0-dim
+    tensor on the device: nothing is read back (it is also the step's overflow flag, finite
+    exactly when every gradient value is)."""
+    grads = [_materialise_partial(p.grad) for p in params if p.grad is not None]
+    device = local(grads[0]).device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=acc_dtype(device), device=device)
-    for _, g in grads:
-        g = _materialise_partial(g)
-        x = local(g)
-        x = x if x.dtype == torch.float32 else x.float()
-        # squares in fp32, summed in the accumulation dtype: one fp32 temporary, where casting to
-        # float64 first made two float64 ones (a sizeable share of a small model's step on a CPU);
-        # the sum's error stays ~1e-11 relative (1M normal values here), far below any tolerance
-        sq = (x * x).sum(dtype=total.dtype)
-        total += sq / (replication(g, mesh) if mesh is not None else 1)
+    by_copies: Dict[int, List[torch.Tensor]] = {}
+    for g in grads:
+        by_copies.setdefault(replication(g, mesh) if mesh is not None else 1, []).append(local(g))
+    for copies, xs in by_copies.items():
+        # each tensor's norm in one multi-tensor kernel, accumulated in fp32 whatever the gradient
+        # dtype (an fp16 sum of squares would overflow at 65504); no temporary of a gradient's
+        # size, where a per-tensor (x * x).sum() made one each (~1.8 ms of gpt_tiny's CPU step).
+        # The squares of the per-tensor norms are then summed in the accumulation dtype
+        norms = torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float32)).to(total.dtype)
+        total += (norms * norms).sum() / copies
     if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.sqrt()

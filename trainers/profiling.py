@@ -20,6 +20,9 @@ compute or communication by its name (``is_comm``); then categories are unioned 
 
 On an Ascend NPU torch_npu's profiler has no ``events()``; its own analysis writes
 ``step_trace_time.csv``, which already holds this split per step, and that file is read instead.
+
+The analysis runs after the window closes and off the step thread (``Profiler``): a thread exports and
+accounts torch.profiler's trace; on an NPU that thread runs torch_npu's offline analyser in a child process.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -474,8 +480,20 @@ def format_table(b: Breakdown, top: Sequence[Dict[str, Any]], time_label: str, r
     return "\n".join(lines) + "\n"
 
 
+# torch_npu's offline analyser, run in a process of its own (see ``Profiler._offline_analyse``); it lowers
+# its own priority so that its parsing pool yields the host's cores to the training processes
+_NPU_ANALYSE = "import os, sys\nos.nice(10)\nfrom torch_npu.profiler.profiler import analyse\nanalyse(sys.argv[1])\n"
+NPU_ANALYSE_TIMEOUT_S = 1800.0
+
+
 class Profiler:
-    """Profiles steps ``start .. start + steps - 1``; ``step(i)`` is called at every step start."""
+    """Profiles steps ``start .. start + steps - 1``; ``step(i)`` is called at every step start.
+
+    The step that closes the window only stops the collection; the trace is exported and analysed on a
+    thread of its own, so the rank's next collective is not held back by the analysis (on an NPU, torch_npu's
+    parsing of a large profile takes long enough to push a peer's wait toward HCCL_EXEC_TIMEOUT). ``result``
+    is None until the analysis is done; ``close()`` waits for it.
+    """
 
     def __init__(self, enabled: bool, start: int, steps: int, out_dir: str, device: torch.device, rank: int):
         self.enabled, self.start, self.stop = enabled, start, start + steps
@@ -483,7 +501,13 @@ class Profiler:
         self._prof = None
         self._mark = None
         self._t0 = 0.0
-        self.result: Optional[ProfileResult] = None
+        self._thread: Optional[threading.Thread] = None
+        self._result: Optional[ProfileResult] = None
+
+    @property
+    def result(self) -> Optional[ProfileResult]:
+        """The window's analysis once it is done (set once, by the analysis thread, when complete)."""
+        return self._result
 
     @property
     def _npu_root(self) -> str:
@@ -506,13 +530,30 @@ class Profiler:
                 activities=[npu_prof.ProfilerActivity.CPU, npu_prof.ProfilerActivity.NPU],
                 record_shapes=False,
                 experimental_config=npu_prof._ExperimentalConfig(**cfg_kw),
-                # analysed (synchronously) when the profile stops; writes <dir>/<worker>_<pid>_<time>_ascend_pt
-                on_trace_ready=npu_prof.tensorboard_trace_handler(self._npu_root, worker_name=f"rank{self.rank}"),
+                on_trace_ready=self._npu_trace_handler(npu_prof),
             )
         acts = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
         return torch.profiler.profile(activities=acts, record_shapes=False)
+
+    def _npu_trace_handler(self, npu_prof):
+        """Writes ``<dir>/<worker>_<pid>_<time>_ascend_pt`` when the profile stops, without analysing it.
+
+        ``tensorboard_trace_handler(dir_name, worker_name, analyse_flag=True, async_mode=False)`` (torch_npu
+        ``profiler/profiler.py``) runs ``prof_if.analyse()`` inside ``prof.__exit__``, on the step thread, when
+        ``analyse_flag`` is true; with ``analyse_flag=False`` "the collected data can be analysed offline"
+        (Ascend Extension for PyTorch API reference, torch_npu.profiler.tensorboard_trace_handler) by
+        ``torch_npu.profiler.profiler.analyse(path)``. ``async_mode=True`` is no way out: its pool is forked
+        from this process (``NpuProfiler.analyse`` sets the "fork" start method, process-wide, with
+        ``force=True``: analysis/_npu_profiler.py) and is never joined. Releases without ``analyse_flag``
+        (``tensorboard_trace_handler(dir_name, worker_name, use_gzip)``, CANN 7.0) analyse in ``__exit__``:
+        nothing to do about that here; the analysis thread then finds the CSVs already written."""
+        kw = {"worker_name": f"rank{self.rank}"}
+        try:
+            return npu_prof.tensorboard_trace_handler(self._npu_root, analyse_flag=False, **kw)
+        except TypeError:
+            return npu_prof.tensorboard_trace_handler(self._npu_root, **kw)
 
     def _sync(self) -> None:
         # the window's edges are host times; on an accelerator, wait for the work queued before each edge so
@@ -534,22 +575,33 @@ class Profiler:
             self._finish()
 
     def close(self) -> None:
-        """At the end of training, if the window ran to the last step."""
-        if self._prof is not None and self.result is None:
+        """At the end of training: closes a window that ran to the last step, and waits for the analysis."""
+        if self._prof is not None:
             self._finish()
+        if self._thread is not None:
+            self._thread.join()
 
     def _finish(self) -> None:
+        """On the step thread: stop collecting (cheap: torch.profiler parses its events lazily, on
+        ``events()``; torch_npu writes its raw data), then hand the window to the analysis thread."""
         self._sync()
         wall = time.perf_counter() - self._t0
         prof, self._prof = self._prof, None
         mark, self._mark = self._mark, None
         mark.__exit__(None, None, None)
         prof.__exit__(None, None, None)
-        os.makedirs(self.out_dir, exist_ok=True)
+        self._thread = threading.Thread(
+            target=self._analyse, args=(prof, wall), name=f"profile-analysis-rank{self.rank}", daemon=True
+        )
+        self._thread.start()
+
+    def _analyse(self, prof, wall: float) -> None:
+        """Off the step thread: export the trace and account the window; sets ``result`` when done."""
         path = os.path.join(self.out_dir, f"trace_rank{self.rank}.json")
-        with contextlib.suppress(FileNotFoundError):  # an earlier run's trace is not this one's
-            os.remove(path)
         try:  # an analysis that fails must not end the trial: the window is then reported as all idle
+            os.makedirs(self.out_dir, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # an earlier run's trace is not this one's
+                os.remove(path)
             if self.device.type == "npu":
                 b, top = self._npu_analysis(wall, path)
                 time_label = "device_s"
@@ -561,7 +613,7 @@ class Profiler:
             table = format_table(b, top, time_label)
         except Exception as e:
             b, top, table = Breakdown(wall), [], f"profile analysis failed: {type(e).__name__}: {e}\n"
-        self.result = ProfileResult.of(
+        self._result = ProfileResult.of(
             b, trace_path=path if os.path.exists(path) else None, table=table, top=list(top[:25])
         )
 
@@ -571,10 +623,10 @@ class Profiler:
             raise FileNotFoundError(f"no rank{self.rank}_*_ascend_pt under {self._npu_root}")
         out = os.path.join(run_dir, NPU_OUTPUT_DIR)
         step_csv = os.path.join(out, "step_trace_time.csv")
-        if not os.path.exists(step_csv):  # not analysed when the profile stopped: analyse offline
-            from torch_npu.profiler.profiler import analyse  # type: ignore[import-not-found]
-
-            analyse(run_dir)
+        if not os.path.exists(step_csv):  # not analysed when the profile stopped (analyse_flag=False)
+            said = self._offline_analyse(run_dir)
+            if not os.path.exists(step_csv):
+                raise FileNotFoundError(f"torch_npu's analysis wrote no {step_csv}: {said}")
         b = read_step_trace_time(step_csv, wall)
         top: List[Dict[str, Any]] = []
         with contextlib.suppress(Exception):
@@ -582,3 +634,27 @@ class Profiler:
         with contextlib.suppress(Exception):  # trace_view.json, the chrome-format timeline: this rank's trace
             shutil.copyfile(os.path.join(out, "trace_view.json"), trace_copy)
         return b, top
+
+    @staticmethod
+    def _offline_analyse(run_dir: str) -> str:
+        """torch_npu's offline analysis of one ``*_ascend_pt`` directory, in a child process.
+
+        Not in this process, even on a thread: ``NpuProfiler.analyse`` calls
+        ``multiprocessing.set_start_method("fork", force=True)`` and forks its parsing pool from the caller
+        (analysis/_npu_profiler.py), which here holds the device and the communicators, and it is pure Python
+        that would hold the GIL against the training thread; it also refuses to run in a daemon process.
+        ``analyse`` swallows its own errors (``@no_exception_func``), so success is judged by the CSV it writes;
+        returns the end of what the child printed, for the message when there is none."""
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", _NPU_ANALYSE, run_dir],
+                capture_output=True,
+                text=True,
+                timeout=NPU_ANALYSE_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired as e:
+            raise TimeoutError(f"torch_npu's analysis of {run_dir} ran past {NPU_ANALYSE_TIMEOUT_S:.0f} s") from e
+        if proc.returncode != 0:
+            raise RuntimeError(f"torch_npu's analysis of {run_dir} exited {proc.returncode}: {proc.stderr[-500:]}")
+        return (proc.stdout + proc.stderr).strip()[-500:]
