@@ -34,9 +34,10 @@ KINDS.md gives the machine's packages without versions, so one that is there in 
 for a carried package is a failure only a run there shows (an ImportError naming it):
 ``--also NAME`` carries it as well, at this environment's version.
 
-DIR must be ignored by git (``echo /.whl/ >> .git/info/exclude``) and named in the device call's
-``carry`` (a folder git does not ignore travels anyway, as untracked files, but then every
-call carries it, also those that need no wheels).
+DIR must be ignored by git (``.whl/`` is, in ``.gitignore``; another folder:
+``echo /DIR/ >> .git/info/exclude``) and named in the device call's ``carry`` (a folder git does
+not ignore travels anyway, as untracked files, but then every call carries it, also those that
+need no wheels).
 """
 
 from __future__ import annotations

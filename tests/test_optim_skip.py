@@ -109,3 +109,17 @@ def test_the_foreach_path_reads_the_flag_only_when_asked():
 
 def test_fused_runs_where_the_kernel_is_and_foreach_elsewhere():
     assert optim_mod.fused_on("cpu") and optim_mod.fused_on("cuda") and not optim_mod.fused_on("npu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_global_norm_of_16_bit_gradients_does_not_overflow_in_their_dtype(dtype):
+    """300 x 1000 values: the sum of squares (9e7) is past fp16's 65504, the norm (9487) is not."""
+    from trainers.parallel import global_grad_norm
+
+    p = torch.nn.Parameter(torch.zeros(1000, dtype=dtype))
+    q = torch.nn.Parameter(torch.zeros(10, dtype=dtype))
+    p.grad, q.grad = torch.full_like(p, 300.0), torch.full_like(q, -2.0)
+    want = (1000 * 300.0**2 + 10 * 4.0) ** 0.5
+    assert float(global_grad_norm([p, q], None)) == pytest.approx(want, rel=1e-6)
+    p.grad[3] = float("inf")
+    assert not torch.isfinite(global_grad_norm([p, q], None))

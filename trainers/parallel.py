@@ -250,6 +250,18 @@ def _materialise_partial(g: torch.Tensor) -> torch.Tensor:
     return g
 
 
+def _norms_fp32(xs: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Each tensor's L2 norm, accumulated in fp32. ``_foreach_norm(..., dtype=)`` (torch 2.4) where
+    a tensor is narrower; on an NPU 16-bit tensors are cast first (torch_npu's ForeachNorm kernel,
+    CANN ops-nn ``foreach_norm``, returns the input's dtype, and whether its binding honours
+    ``dtype`` is not documented), fp32 ones go as they are."""
+    if all(x.dtype == torch.float32 for x in xs):
+        return list(torch._foreach_norm(xs, 2))
+    if xs[0].device.type == "npu":
+        return list(torch._foreach_norm([x.float() for x in xs], 2))
+    return list(torch._foreach_norm(xs, 2, dtype=torch.float32))
+
+
 @torch.no_grad()
 def global_grad_norm(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> torch.Tensor:
     """The L2 norm of the whole model's gradient across TP shards, pipeline stages and replicas,
@@ -267,7 +279,7 @@ def global_grad_norm(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> 
         # dtype (an fp16 sum of squares would overflow at 65504); no temporary of a gradient's
         # size, where a per-tensor (x * x).sum() made one each (~1.8 ms of gpt_tiny's CPU step).
         # The squares of the per-tensor norms are then summed in the accumulation dtype
-        norms = torch.stack(torch._foreach_norm(xs, 2, dtype=torch.float32)).to(total.dtype)
+        norms = torch.stack(_norms_fp32(xs)).to(total.dtype)
         total += (norms * norms).sum() / copies
     if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
