@@ -18,8 +18,10 @@ of its per-step parts taken out (figures only: the trainer never runs so):
 
 - no-tracker: the per-block non-finite probes (one fp32 sum of each block output);
 - no-norm:    the global gradient norm (clipping and the overflow flag read it);
-- spawned:    the trainer alone in a fresh process (multiprocessing spawn, no launcher): what
-              being a new process costs, apart from the elastic launcher's.
+- spawned:    the trainer alone in a fresh process (multiprocessing spawn, no launcher), and
+- plain-spawned: the plain loop likewise: a fresh process against a fresh process, what being a
+              new process costs either loop (its allocator and thread pool not yet warm), apart
+              from the elastic launcher's.
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def main() -> None:
     tokens = cfg.trainer.global_batch * cfg.trainer.seq_len
     train(spec)  # builds the corpus cache and warms the allocator before anything is timed
 
-    names = ["plain", "trainer", "launched"] + (["no-tracker", "no-norm", "spawned"] if args.ablate else [])
+    ablations = ["no-tracker", "no-norm", "spawned", "plain-spawned"]
+    names = ["plain", "trainer", "launched"] + (ablations if args.ablate else [])
     runs: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(args.repeats):
         runs["plain"].append(plain_loop(spec, args.steps, args.warmup))
@@ -76,17 +79,18 @@ def main() -> None:
             for name in ("no-tracker", "no-norm"):
                 with _without(name):
                     runs[name].append(train(spec)["step_time_median_s"])
-            runs["spawned"].append(_spawned(spec))
+            runs["spawned"].append(_spawned(spec, "trainer", args))
+            runs["plain-spawned"].append(_spawned(spec, "plain", args))
 
     base = statistics.median(runs["plain"])
     print(
         f"model={args.model} global_batch={cfg.trainer.global_batch} seq_len={cfg.trainer.seq_len} "
         f"steps={args.steps} (first {args.warmup} not timed) repeats={args.repeats} threads={torch.get_num_threads()}"
     )
-    print(f"{'variant':<10} {'step_time_s':>12} {'tokens/s':>10} {'ratio to plain':>15} {'ms over plain':>14}")
+    print(f"{'variant':<13} {'step_time_s':>12} {'tokens/s':>10} {'ratio to plain':>15} {'ms over plain':>14}")
     for name, values in runs.items():
         st = statistics.median(values)
-        print(f"{name:<10} {st:>12.4f} {tokens / st:>10.0f} {base / st:>15.3f} {1e3 * (st - base):>14.1f}")
+        print(f"{name:<13} {st:>12.4f} {tokens / st:>10.0f} {base / st:>15.3f} {1e3 * (st - base):>14.1f}")
 
 
 @contextlib.contextmanager
@@ -106,14 +110,14 @@ def _without(part: str):
         FiniteTracker._hook, loop.global_grad_norm = saved
 
 
-def _child(spec, out) -> None:
-    out.put(train(spec)["step_time_median_s"])
+def _child(spec, which: str, steps: int, warmup: int, out) -> None:
+    out.put(train(spec)["step_time_median_s"] if which == "trainer" else plain_loop(spec, steps, warmup))
 
 
-def _spawned(spec) -> float:
+def _spawned(spec, which: str, args) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(spec, out))
+    proc = ctx.Process(target=_child, args=(spec, which, args.steps, args.warmup, out))
     proc.start()
     value = out.get()
     proc.join()

@@ -1,4 +1,4 @@
-"""python -m orchestrator.plan [--devices N] [--json] [--calibrate] [--tracking-uri URI] [--experiment NAME]
+"""python -m orchestrator.plan [--devices N [--top K]] [--json] [--calibrate] [--tracking-uri URI] [--experiment NAME]
                            [--probe FILE] [overrides ...]
 
 Plans a trial without running it, from the same overrides as ``python -m orchestrator``:
@@ -8,7 +8,13 @@ Plans a trial without running it, from the same overrides as ``python -m orchest
 
 prints the memory breakdown per rank, whether it fits, the pipeline bubble, the communication
 share, the estimated step time and MFU, for the composed layout or, with ``--devices N``, for
-every DP/TP/PP layout of N devices, fastest first. ``--calibrate`` first fits the efficiency
+every point the trainer can run on N devices (each DP/TP/PP layout with every micro-batch or
+microbatch count its batch allows, pipeline schedule and stages per rank, activation
+checkpointing, DDP/FSDP and sequence parallelism; the composed values of those keys are not
+used): the ``--top K`` fastest that fit (10; 0: all), the fastest of each layout, and the
+points excluded counted by the rule they break, with the seconds the search took. With
+``--json`` the list holds the shortlist (the closest misses, ``fits`` false, when nothing fits)
+and the counts go to stderr. ``--calibrate`` first fits the efficiency
 factors to the finished trials of this chip in MLflow (``--tracking-uri``/``--experiment``, which
 set ``tracking.uri``/``tracking.experiment``; those overrides work too, the flags win).
 ``--probe FILE`` instead runs every operator of the model on this machine's device and writes the
@@ -27,6 +33,7 @@ from typing import Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import cli, planner
+from orchestrator.planner import search
 
 EXIT_CONFIG = cli.EXIT_BAD_INPUT
 
@@ -89,6 +96,70 @@ def table(plans: List[planner.LayoutPlan]) -> str:
             f"{_pct(p.step.comm_share):>7}{p.step.step_time_s:>10.3f}{_pct(p.step.mfu):>7}"
         )
     return "\n".join(rows)
+
+
+def _onoff(x: bool) -> str:
+    return "on" if x else "-"
+
+
+def space_table(plans: List[search.SpacePlan]) -> str:
+    """The shortlist of ``--devices N``: one point a row, its knobs, memory and speed."""
+    head = (
+        f"{'layout':<14}{'mbs':>4}{'m':>5} {'schedule':<17}{'v':>3} {'ckpt':<5}{'dp':<5}{'sp':<4}"
+        f"{'mem_gb':>8}{'fits':>5}{'bubble':>8}{'comm':>7}{'step_s':>10}{'mfu':>7}"
+    )
+    rows = [head, "-" * len(head)]
+    for p in plans:
+        c, s = p.candidate, p.shape
+        pipe = s.pp > 1
+        shard = "fsdp" if s.fsdp else "ddp" if s.dp > 1 else "-"
+        rows.append(
+            f"{c.layout:<14}{s.micro_batch:>4}{(s.microbatches if pipe else '-'):>5} "
+            f"{(s.schedule if pipe else '-'):<17}{(s.chunks_per_rank if pipe else '-'):>3} "
+            f"{_onoff(c.activation_checkpointing):<5}{shard:<5}{_onoff(s.sequence_parallel):<4}"
+            f"{_gb(p.memory.total / planner.GiB):>8}{'yes' if p.fits else 'no':>5}{_pct(p.step.bubble_fraction):>8}"
+            f"{_pct(p.step.comm_share):>7}{p.step.step_time_s:>10.3f}{_pct(p.step.mfu):>7}"
+        )
+    return "\n".join(rows)
+
+
+def space_report(res: search.SpaceResult, top: int) -> str:
+    """What ``--devices N`` prints after the header."""
+    n_layouts = len(res.layouts)
+    lines = [
+        f"searched {res.count} points of {n_layouts} DP/TP/PP layout(s) of {res.devices} devices in "
+        f"{res.seconds:.2f} s: {res.fit} fit, {res.n_excluded} excluded",
+        "",
+    ]
+    shown = res.plans[:top] if top > 0 else res.plans
+    if shown:
+        lines.append(f"the {len(shown)} fastest that fit (mem_gb: the most loaded rank, buffers and reserve included):")
+        lines.append(space_table(shown))
+    else:
+        lines.append(f"no point fits; the {len(res.closest)} closest (least memory first):")
+        lines.append(space_table(res.closest))
+    lines += ["", "the fastest point of each layout:"]
+
+    def order(item):
+        best = item[1].best
+        return (best is None, best.step.step_time_s if best else 0.0, item[0])
+
+    for name, summary in sorted(res.layouts.items(), key=order):
+        if summary.best is not None:
+            b = summary.best
+            lines.append(
+                f"  {name:<14}{b.step.step_time_s:>9.3f} s  {b.candidate.name} ({summary.fit}/{summary.candidates} fit)"
+            )
+        else:
+            why = max(summary.reasons.items(), key=lambda kv: kv[1])[0] if summary.reasons else "no point"
+            lines.append(f"  {name:<14}{'-':>9}    none of {summary.candidates} fits; most: {why}")
+    if res.excluded:
+        lines += ["", "excluded, by rule (points; a point breaking several rules counts under each):"]
+        for key, ex in sorted(res.excluded.items(), key=lambda kv: -kv[1].count):
+            point, line = ex.examples[0]
+            lines.append(f"  {ex.count:>6}  {key}")
+            lines.append(f"          e.g. {point.name}: {line}")
+    return "\n".join(lines)
 
 
 def header(cfg: DictConfig, cov: planner.OpCoverage, devices: Optional[int], calibrated: str) -> str:
@@ -171,14 +242,17 @@ def probe(cfg: DictConfig, path: str) -> Dict[str, Dict[str, str]]:
 def main(argv: Optional[List[str]] = None) -> int:
     ap = cli.parser("orchestrator.plan", __doc__.split("\n\n")[1])
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m orchestrator")
-    ap.add_argument("--devices", type=int, default=None, help="plan every DP/TP/PP layout of N devices")
-    cli.add_json_arg(ap, "a list, one object per layout,")
+    ap.add_argument("--devices", type=int, default=None, help="plan every point the trainer can run on N devices")
+    ap.add_argument("--top", type=int, default=10, help="with --devices: the K fastest points that fit (0: all)")
+    cli.add_json_arg(ap, "a list, one object per layout (per point, with --devices),")
     ap.add_argument("--calibrate", action="store_true", help="fit efficiency factors to finished MLflow trials")
     cli.add_tracking_args(ap, defaults=False)
     ap.add_argument("--probe", metavar="FILE", help="probe the operators on this machine's device, write FILE")
     args = ap.parse_intermixed_args(argv)
     if args.devices is not None and args.devices < 1:
         return _fail([f"--devices={args.devices}: must be positive"])
+    if args.top < 0:
+        return _fail([f"--top={args.top}: must not be negative"])
     try:
         cfg = planner.resolved(compose(args.overrides))
     except Exception as err:  # noqa: BLE001 - Hydra's composition errors: bad input
@@ -206,29 +280,45 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.json:
             print(calibrated, file=sys.stderr)
     cov = planner.op_coverage(cfg.model, int(cfg.trainer.seq_len), cfg.precision.compute_dtype, cfg.chip)
-    skipped: Dict[str, List[str]] = {}
-    if args.devices is None:
-        errors = planner.planning_errors(cfg)
-        if errors:
-            return _fail(errors)
-        plans = [planner.plan_layout(planner.with_model_overrides(cfg, cov.model_overrides))]
-    else:
-        plans, skipped = planner.plan_devices(cfg, args.devices)
-        if not plans:
-            return _fail(
-                sorted({e for errs in skipped.values() for e in errs})
-                or [f"--devices={args.devices}: no DP/TP/PP layout of {cfg.model.name} fits that many devices"]
-            )
+    if args.devices is not None:
+        return _plan_devices(cfg, cov, args.devices, args.top, args.json, calibrated)
+    errors = planner.planning_errors(cfg)
+    if errors:
+        return _fail(errors)
+    planned = planner.with_model_overrides(cfg, cov.model_overrides)
+    plans = [planner.plan_layout(planned)]
     if args.json:
-        print(json.dumps([p.contract() for p in plans], indent=1))
+        n_params = planner.ModelShape.of(planned.model).n_params
+        print(json.dumps([search.contract(p, n_params) for p in plans], indent=1))
         return cli.EXIT_OK
     print(header(cfg, cov, args.devices, calibrated))
     print()
     print(table(plans))
-    if skipped:
-        print(f"\nskipped {len(skipped)} layout(s):")
-        for name, errors in skipped.items():
-            print(f"  {name}: {'; '.join(errors)}")
+    return cli.EXIT_OK
+
+
+def _plan_devices(
+    cfg: DictConfig, cov: planner.OpCoverage, devices: int, top: int, as_json: bool, calibrated: str
+) -> int:
+    res = search.plan_space(cfg, devices, coverage=cov)
+    if not res.plans and not res.closest:  # every point broke a rule: nothing planned
+        return _fail(
+            [ex.examples[0][1] for ex in res.excluded.values()]
+            or [f"--devices={devices}: no DP/TP/PP layout of {cfg.model.name} fits that many devices"]
+        )
+    if as_json:
+        shown = (res.plans[:top] if top > 0 else res.plans) or res.closest
+        print(json.dumps([p.contract() for p in shown], indent=1))
+        counts = ", ".join(f"{ex.count} {key}" for key, ex in res.excluded.items())
+        print(
+            f"searched {res.count} points in {res.seconds:.2f} s: {res.fit} fit, {res.n_excluded} excluded"
+            + (f" ({counts})" if counts else ""),
+            file=sys.stderr,
+        )
+        return cli.EXIT_OK
+    print(header(cfg, cov, devices, calibrated))
+    print()
+    print(space_report(res, top))
     return cli.EXIT_OK
 
 

@@ -1,16 +1,34 @@
-"""Every DP/TP/PP layout of N devices, planned and ranked by estimated step time (what
-``python -m orchestrator.plan --devices N`` prints)."""
+"""Every point the trainer can run on N devices, planned and ranked by estimated step time (what
+``python -m orchestrator.plan --devices N`` prints): each DP/TP/PP layout (:func:`layouts`) with
+its batch arithmetic and memory knobs (:mod:`.space`), excluded points counted by the rule they
+break. :func:`plan_space` is the Python API (an auto-tuner's); :func:`plan_devices` its plans as
+:class:`LayoutPlan`."""
 
 from __future__ import annotations
 
 import copy
-from typing import Dict, List, Tuple
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig
 
-from orchestrator.planner.ops import op_coverage
-from orchestrator.planner.preflight import LayoutPlan, plan_layout, planning_errors, resolved, with_model_overrides
-from orchestrator.planner.shapes import ModelShape
+from orchestrator.planner.memory import MemoryPlan
+from orchestrator.planner.ops import OpCoverage, op_coverage
+from orchestrator.planner.preflight import LayoutPlan, resolved, with_model_overrides
+from orchestrator.planner.shapes import ModelShape, ParallelShape
+from orchestrator.planner.space import (
+    Candidate,
+    FastPlan,
+    FastPlanner,
+    Space,
+    candidates,
+    memory_line,
+    memory_reason,
+    reason_key,
+)
+from orchestrator.planner.step_time import StepEstimate
 
 
 def _divisors(n: int) -> List[int]:
@@ -61,19 +79,186 @@ def layout_config(cfg: DictConfig, devices: int, dp: int, tp: int, pp: int) -> D
     return out
 
 
-def plan_devices(cfg: DictConfig, devices: int) -> Tuple[List[LayoutPlan], Dict[str, List[str]]]:
-    """Plans of every valid layout of ``devices`` devices, fastest first, and the layouts
-    skipped with their broken rules. Operator coverage (hence attn_impl) is the same for all."""
+# ---------------------------------------------------------------------------------------------
+# the whole space: every layout with its batch arithmetic and memory knobs
+
+
+def contract(plan: LayoutPlan, n_params: int) -> Dict[str, Any]:
+    """One object of ``plan --json``: the layout contract (DESIGN.md), the model's parameter
+    count and the pipeline rank whose memory is reported (the most loaded one)."""
+    out = plan.contract()
+    out.setdefault("n_params", n_params)
+    out.setdefault("pipeline_rank", plan.memory.rank)
+    return out
+
+
+@dataclass
+class SpacePlan:
+    """One planned point of the space: the point, its shape, memory and step-time estimate."""
+
+    candidate: Candidate
+    shape: ParallelShape
+    memory: MemoryPlan
+    step: StepEstimate
+    n_params: int
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.fits
+
+    def layout_plan(self) -> LayoutPlan:
+        return LayoutPlan(self.shape, self.memory, self.step)
+
+    def contract(self) -> Dict[str, Any]:
+        """One object of ``plan --devices N --json``: the layout's (:func:`contract`) and the
+        knobs of the point."""
+        c = self.candidate
+        out = contract(self.layout_plan(), self.n_params)
+        out.update(
+            micro_batch=self.shape.micro_batch,
+            virtual_stages=self.shape.virtual_stages,
+            activation_checkpointing=c.activation_checkpointing,
+            dp_shard=c.dp_shard,
+            sequence_parallel=self.shape.sequence_parallel,
+        )
+        return out
+
+
+@dataclass
+class Excluded:
+    """The points one rule excluded: how many, and a few of them with the rule's own line."""
+
+    count: int = 0
+    examples: List[Tuple[Candidate, str]] = field(default_factory=list)  # (point, line)
+
+
+@dataclass
+class LayoutSummary:
+    """One DP/TP/PP layout of the space: its points, how many fit, the fastest that does, and
+    the rules its other points broke (reason -> points)."""
+
+    candidates: int = 0
+    fit: int = 0
+    best: Optional[SpacePlan] = None
+    reasons: Dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class SpaceResult:
+    """What :func:`plan_space` found. ``plans``: every point that fits, fastest first;
+    ``closest``: the points nearest to fitting (least memory first, step time included) when few
+    or none fit; ``excluded``: reason (the rule's line, numbers taken out) -> points and examples,
+    a point that breaks several rules counted under each; ``count``: points in the space."""
+
+    devices: int
+    plans: List[SpacePlan]
+    closest: List[SpacePlan]
+    excluded: Dict[str, Excluded]
+    layouts: Dict[str, LayoutSummary]
+    count: int
+    seconds: float
+
+    @property
+    def fit(self) -> int:
+        return len(self.plans)
+
+    @property
+    def n_excluded(self) -> int:
+        return self.count - self.fit
+
+
+EXAMPLES = 3
+
+
+def _rank_key(p: SpacePlan) -> Tuple:
+    c = p.candidate
+    return (p.step.step_time_s, p.memory.total, c.dp, c.tp, c.pp, c.micro_batch, c.schedule, c.virtual_stages,
+            c.activation_checkpointing, c.dp_shard, c.sequence_parallel)  # fmt: skip
+
+
+def base_config(cfg: DictConfig, coverage: Optional[OpCoverage] = None) -> Tuple[DictConfig, OpCoverage]:
+    """The config every point starts from: the chip resolved, the coverage's model overrides
+    (the mapped decompositions, hence ``attn_impl``) applied; coverage is the same for all."""
     cfg = resolved(cfg)
-    cov = op_coverage(cfg.model, int(cfg.trainer.seq_len), cfg.precision.compute_dtype, cfg.chip)
-    base = with_model_overrides(cfg, cov.model_overrides)
-    plans, skipped = [], {}
-    for dp, tp, pp in layouts(devices, base.model, base.chip):
-        one = layout_config(base, devices, dp, tp, pp)
-        errors = planning_errors(one)
-        if errors:
-            skipped[f"dp{dp}tp{tp}pp{pp}"] = errors
+    cov = coverage or op_coverage(cfg.model, int(cfg.trainer.seq_len), cfg.precision.compute_dtype, cfg.chip)
+    return with_model_overrides(cfg, cov.model_overrides), cov
+
+
+def points(base: DictConfig, devices: int, space: Space = Space()) -> Iterator[Candidate]:
+    """Every point of the space, layout by layout (:func:`layouts`, :func:`space.candidates`)."""
+    for dp, tp, pp in layouts(devices, base.model, base.chip, space.max_pp):
+        yield from candidates(dp, tp, pp, int(base.trainer.global_batch), int(base.model.n_layers), space)
+
+
+def plan_space(
+    cfg: DictConfig,
+    devices: int,
+    space: Space = Space(),
+    coverage: Optional[OpCoverage] = None,
+    keep_closest: int = 10,
+) -> SpaceResult:
+    """Every point the trainer can run on ``devices`` devices, planned: each layout of
+    :func:`layouts` with every batch split and memory knob of :func:`space.candidates`, pruned
+    by the rules (the search's even stages, then ``validate()``'s lines, as ``planning_errors``
+    gives them), then by memory; the step time is estimated for what fits (and the few closest
+    to fitting). The same lines and floats as planning each point's full config
+    (:func:`space.candidate_config`, ``planning_errors``, ``plan_layout``), by the fast path."""
+    t0 = time.perf_counter()
+    base, _ = base_config(cfg, coverage)
+    fast = FastPlanner(base, devices)
+    n_params = fast.models[False].n_params
+    chip = str(base.chip.name)
+    plans: List[SpacePlan] = []
+    near: List[Tuple[float, int, FastPlan]] = []  # max-heap by memory (negated) of the closest misses
+    excluded: Dict[str, Excluded] = {}
+    by_layout: Dict[str, LayoutSummary] = {}
+    count = 0
+
+    def exclude(p: FastPlan, lines: List[str], summary: LayoutSummary, reason: Optional[str] = None) -> None:
+        for line in lines:
+            key = reason or reason_key(line)
+            ex = excluded.setdefault(key, Excluded())
+            ex.count += 1
+            summary.reasons[key] = summary.reasons.get(key, 0) + 1
+            if len(ex.examples) < EXAMPLES:
+                ex.examples.append((p.candidate, line))
+
+    for c in points(base, devices, space):
+        count += 1
+        summary = by_layout.setdefault(c.layout, LayoutSummary())
+        summary.candidates += 1
+        p = fast.plan(c)
+        if p.errors:
+            exclude(p, p.errors, summary)
             continue
-        plans.append(plan_layout(one))
-    plans.sort(key=lambda p: p.step.step_time_s)
-    return plans, skipped
+        assert p.memory is not None and p.model is not None and p.shape is not None
+        if not p.memory.fits:
+            exclude(p, [memory_line(p.memory, chip)], summary, memory_reason(p.memory, chip))
+            item = (-p.memory.total, count, p)  # the heap's root: the largest memory kept
+            if len(near) < keep_closest:
+                heapq.heappush(near, item)
+            elif item > near[0]:
+                heapq.heapreplace(near, item)
+            continue
+        sp = SpacePlan(c, p.shape, p.memory, fast.step(p.model, p.shape), n_params)
+        plans.append(sp)
+        summary.fit += 1
+        if summary.best is None or _rank_key(sp) < _rank_key(summary.best):
+            summary.best = sp
+    plans.sort(key=_rank_key)
+    closest = []
+    for _, _, p in sorted(near, key=lambda it: (-it[0], it[1])):
+        assert p.shape is not None and p.memory is not None and p.model is not None
+        closest.append(SpacePlan(p.candidate, p.shape, p.memory, fast.step(p.model, p.shape), n_params))
+    return SpaceResult(devices, plans, closest, excluded, by_layout, count, time.perf_counter() - t0)
+
+
+def plan_devices(cfg: DictConfig, devices: int) -> Tuple[List[LayoutPlan], Dict[str, List[str]]]:
+    """The plans of every point of ``devices`` devices that fits, fastest first
+    (:func:`plan_space`), and a few excluded points with their broken rules."""
+    res = plan_space(cfg, devices)
+    skipped: Dict[str, List[str]] = {}
+    for ex in res.excluded.values():
+        for c, line in ex.examples:
+            skipped.setdefault(c.name, []).append(line)
+    return [p.layout_plan() for p in res.plans], skipped

@@ -1,0 +1,137 @@
+"""The planner's search over the whole space the trainer can run (orchestrator/planner/search.py,
+space.py): each layout with its batch arithmetic and memory knobs, excluded points counted by the
+rule they break, and a fast path that gives what the slow path (each point's full config through
+planning_errors and plan_layout) gives, line for line and float for float."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from orchestrator import planner
+from orchestrator.planner import search
+from orchestrator.planner.space import FastPlanner, candidate_config, memory_reason, reason_key, sample
+from tests.conftest import ROOT, cli_env
+
+LLAMA7_8 = (["+chip=ascend910b", "model=llama2_7b", "parallel.microbatches=16"], 8)
+LLAMA70_1024 = (["+chip=ascend910b", "model=llama2_70b", "trainer.global_batch=1024", "trainer.seq_len=4096"], 1024)
+# bf16 on NCCL over two nodes, no overlap: the other branches of the memory and step formulas
+LLAMA13_H100 = (
+    ["+chip=h100", "model=llama2_13b", "precision=bf16", "comm.overlap=false", "trainer.global_batch=64"],
+    16,
+)
+NEW_KEYS = {"micro_batch", "virtual_stages", "activation_checkpointing", "dp_shard", "sequence_parallel"}
+
+
+def test_the_7b_on_8_devices_offers_tensor_parallel_8(compose_cfg):
+    """parallel.microbatches=16 composed: the search picks the batch split per layout, so the
+    layouts without a pipeline (tp8 among them) are planned with microbatches=1."""
+    ov, n = LLAMA7_8
+    res = search.plan_space(compose_cfg(ov), n)
+    tp8 = [p for p in res.plans if (p.candidate.dp, p.candidate.tp, p.candidate.pp) == (1, 8, 1)]
+    # parallel.microbatches=1; the replica's 16 sequences as micro-batches accumulated
+    assert tp8 and all(p.fits and p.candidate.microbatches == 1 for p in tp8)
+    assert all(p.shape.microbatches * p.shape.micro_batch == 16 for p in tp8)
+    assert {p.candidate.micro_batch for p in tp8} == {1, 2, 4, 8, 16}  # every divisor of the batch of 16
+    assert res.layouts["dp8tp1pp1"].fit > 0  # micro-batch 1 or 2, not the composed 8
+    assert res.plans == sorted(res.plans, key=lambda p: p.step.step_time_s)
+    assert res.count == sum(s.candidates for s in res.layouts.values()) == res.fit + res.n_excluded
+
+
+def test_the_70b_on_1024_devices_has_feasible_points(compose_cfg):
+    """Before the knobs were searched, none of its 17 layouts fit (micro-batch 8, no
+    checkpointing); with them, every layout has points that fit."""
+    ov, n = LLAMA70_1024
+    res = search.plan_space(compose_cfg(ov), n)
+    assert res.count > 1000
+    assert res.fit > 0
+    assert all(s.fit > 0 for s in res.layouts.values()), {k: s.fit for k, s in res.layouts.items()}
+    for p in res.plans:
+        assert p.fits and p.memory.total / planner.GiB <= 64 * 0.9
+    usable = memory_reason(res.plans[0].memory, "ascend910b")
+    assert res.excluded[usable].count > 0  # what does not fit is counted, not dropped
+    print(f"\n70B on 1024: {res.count} points, {res.fit} fit, {res.seconds:.2f} s")
+
+
+def _stratified(points, per=2):
+    """A few points of every kind: pipeline or not, schedule, checkpointing, sharding, SP."""
+    groups = defaultdict(list)
+    for c in points:
+        groups[(c.pp > 1, c.tp > 1, c.schedule, c.activation_checkpointing, c.dp_shard, c.sequence_parallel)].append(c)
+    return [c for key in sorted(groups, key=str) for c in sample(groups[key], per)]
+
+
+@pytest.mark.parametrize("case", [LLAMA7_8, LLAMA70_1024, LLAMA13_H100], ids=["7b-8", "70b-1024", "13b-h100-16"])
+def test_the_fast_path_equals_the_slow_path(compose_cfg, case):
+    """On points of every kind, the fast path's validator lines, shapes, memory plan and step
+    estimate are exactly those of the point's full config through planning_errors and
+    plan_layout (dataclass equality: every float to the bit)."""
+    ov, n = case
+    base, _ = search.base_config(compose_cfg(ov))
+    fast = FastPlanner(base, n)
+    pts = _stratified(list(search.points(base, n)))
+    planned = 0
+    for c in pts:
+        full = candidate_config(base, n, c)
+        assert fast.errors(fast.point_config(c)) == planner.planning_errors(full), c.name
+        got = fast.plan(c, with_step=True)
+        if got.errors:
+            continue
+        want = planner.plan_layout(full)
+        assert got.model == planner.ModelShape.of(full.model), c.name
+        assert got.shape == want.shape, c.name
+        assert got.memory == want.memory, c.name
+        assert got.step == want.step, c.name
+        planned += 1
+    assert planned >= 10 and len(pts) >= 20
+
+
+def test_excluded_points_come_with_their_rules(compose_cfg):
+    """Every excluded point is counted under the rule it breaks; the examples are the
+    validator's own lines for their point, and the memory ones do not fit by plan_layout."""
+    ov, n = LLAMA7_8
+    cfg = compose_cfg(ov)
+    res = search.plan_space(cfg, n)
+    base, _ = search.base_config(cfg)
+    never_fills = "parallel.microbatches=N is below parallel.pp=N: the pipeline never fills"
+    assert res.excluded[never_fills].count > 0
+    assert sum(ex.count for ex in res.excluded.values()) >= res.n_excluded > 0
+    for key, ex in res.excluded.items():
+        assert 0 < len(ex.examples) <= ex.count
+        for c, line in ex.examples:
+            full = candidate_config(base, n, c)
+            if key.startswith("memory: "):
+                assert not planner.plan_layout(full).memory.fits and line.startswith("memory: ")
+            elif not key.startswith("search: "):
+                assert line in planner.planning_errors(full), (c.name, line)
+            assert reason_key(line) == key or key.startswith("memory: ")
+    for name, summary in res.layouts.items():  # a layout's misses are counted under its reasons too
+        assert sum(summary.reasons.values()) >= summary.candidates - summary.fit, name
+
+
+def test_cli_json_keeps_the_contract_and_adds_the_knobs(compose_cfg):
+    """plan --devices N --json: the layout contract per entry, n_params and the pipeline rank
+    reported, and the point's knobs; --top 0 gives every point that fits, tp8 among them."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "orchestrator.plan", *LLAMA7_8[0], "--devices", "8", "--json", "--top", "0"],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)
+    n_params = planner.ModelShape.of(compose_cfg(LLAMA7_8[0]).model).n_params
+    assert "searched " in proc.stderr and " fit, " in proc.stderr
+    for row in rows:
+        assert NEW_KEYS | {"n_params", "pipeline_rank", "dp", "tp", "pp", "microbatches", "memory_gb"} <= set(row)
+        assert row["fits"] and row["dp"] * row["tp"] * row["pp"] == 8
+        assert row["n_params"] == n_params and 0 <= row["pipeline_rank"] < row["pp"]
+    assert any(r["tp"] == 8 for r in rows)
+    times = [r["step_time_s"] for r in rows]
+    assert times == sorted(times)
