@@ -1,7 +1,15 @@
 """Does the calibrated step-time model predict layouts it was not fitted to?
 
     python bench/plan_calibration.py [--presets single,dp2,tp2,pp2,tp2pp2] [--held-out pp2,tp2pp2]
-                                     [--model gpt_mini] [--steps 20] [--threads 0]
+                                     [--model gpt_mini] [--steps 20] [--threads 0] [--store DIR]
+
+A preset may carry overrides of its own after colons, so one layout runs with several batch splits
+or schedules: ``pp2:parallel.microbatches=8``, ``single:trainer.micro_batch=1``,
+``pp2:parallel.schedule=interleaved_1f1b:parallel.virtual_stages=3`` (the host terms of the
+step-time model, per micro-batch and per stage, are fitted only where such points vary them).
+``--store DIR`` keeps the MLflow store (and which preset each run was) in DIR; given a DIR that
+already holds a run of every preset asked for, nothing is run again and the fit is made on the
+measured runs there (to compare model variants on the same measurements).
 
 Runs one real trial per parallel preset on this machine (``+chip=cpu``, gloo processes, tracked in
 a private MLflow sqlite store), fits the planner's efficiency factors to the measured median step
@@ -27,6 +35,7 @@ columns show the comparison, not an accuracy claim.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -60,23 +69,29 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=0, help="intra-op threads per worker (OMP_NUM_THREADS); 0: the trainer's choice"
     )
+    ap.add_argument("--store", default=None, help="keep (or reuse) the MLflow store and the preset of each run here")
     args = ap.parse_args()
     if args.threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the spawned workers read it when torch loads
     else:
         os.environ.pop("OMP_NUM_THREADS", None)
     register_configs()
-    store = tempfile.mkdtemp(prefix="plan-calibration-")
-    uri = f"sqlite:///{store}/mlruns.db"
+    store = args.store or tempfile.mkdtemp(prefix="plan-calibration-")
+    os.makedirs(store, exist_ok=True)
+    uri = f"sqlite:///{os.path.abspath(store)}/mlruns.db"
+    index = Path(store) / "presets.json"  # run id -> [preset, planned GB]
+    planned = {k: tuple(v) for k, v in json.loads(index.read_text()).items()} if index.exists() else {}
+    base = {
+        "trainer.steps": str(args.steps),
+        "trainer.global_batch": "16",
+        "trainer.micro_batch": "4",
+        "trainer.seq_len": "128",
+        "trainer.log_every": "10",
+    }
     common = [
         "+chip=cpu",
         f"model={args.model}",
         "model.tie_embeddings=false",
-        f"trainer.steps={args.steps}",
-        "trainer.global_batch=16",
-        "trainer.micro_batch=4",
-        "trainer.seq_len=128",
-        "trainer.log_every=10",
         f"tracking.uri={uri}",
         "tracking.experiment=calibration",
     ]
@@ -85,9 +100,13 @@ def main() -> None:
     unknown = held_names - set(presets)
     if unknown:
         sys.exit(f"--held-out {','.join(sorted(unknown))}: not among --presets")
-    planned = {}
+    done = {p for p, _ in planned.values()}
     for preset in presets:
-        overrides = [f"parallel={preset}", *common]
+        if preset in done:
+            continue
+        name, *own = preset.split(":")
+        mine = dict(o.split("=", 1) for o in own)
+        overrides = [f"parallel={name}", *common, *(f"{k}={v}" for k, v in {**base, **mine}.items())]
         cfg = _compose(overrides)
         try:
             result = trial.run(cfg, overrides, progress=False)
@@ -98,7 +117,12 @@ def main() -> None:
             print(f"{preset}: {result['status']}: {result.get('reason', '')[:200]}")
             continue
         planned[result["run_id"]] = (preset, planner.preflight(cfg)["planned_mem_gb"])
-    trials = planner.measured_trials(uri, "calibration", chip="cpu")
+        index.write_text(json.dumps(planned))
+    wanted = set(presets)
+    trials = [
+        t for t in planner.measured_trials(uri, "calibration", chip="cpu") if planned.get(t.run_id, ("",))[0] in wanted
+    ]
+    common = [*common, *(f"{k}={v}" for k, v in base.items())]
     held = [t for t in trials if planned.get(t.run_id, ("",))[0] in held_names]
     fit = [t for t in trials if t.run_id not in {h.run_id for h in held}]
     if not fit:

@@ -121,6 +121,16 @@ class PlannerConfig:
     compute_efficiency: float = 0.5
     comm_efficiency: float = 0.7
     collective_latency_us: float = 30.0  # fixed cost of one collective or send (alpha-beta model)
+    # ... plus this per log2(group size) of each collective (a tree's depth; a send is one hop):
+    # NCCL's tuning model puts a step at 0.6 us over NVLink, 5 us over the network (tree/ring LL)
+    collective_hop_us: float = 5.0
+    # host fixed costs (planner/step_time.py), assumptions until --calibrate fits them: dispatch of
+    # one layer's forward and backward for one micro-batch (~60 operators at ~5 us a launch),
+    # hidden behind an accelerator's kernels when shorter than them, added on a CPU ...
+    layer_host_us: float = 300.0
+    # ... and, with a pipeline, one stage chunk's forward/backward call, send/recv setup and wait
+    # per micro-batch, never hidden
+    stage_host_us: float = 100.0
     dp_overlap: float = 0.8  # fraction of DP gradient traffic hidden behind backward (comm.overlap)
     grad_accum_fp32: bool = False  # fp32 gradient buffers for 16-bit params (Megatron's main_grad)
     ddp_bucket_view: bool = False  # DDP gradient_as_bucket_view; False: buckets copy every gradient

@@ -255,6 +255,13 @@ NEEDS = [
     ("torch.distributed", "send", "group_dst", "2.6", f"2.6.0 {_C10D}:2429; not in 2.5.1"),
     ("torch.distributed", "recv", "group_src", "2.6", f"2.6.0 {_C10D}:2461; not in 2.5.1"),
     # older: in 2.5.1, the oldest release read
+    (
+        "torch.nn.functional",
+        "scaled_dot_product_attention",
+        "enable_gqa",
+        "2.5",
+        "2.5.1 torch/nn/functional.py:5610; 2.7.0 :5721-5723 (the builtin's signature, in its docstring)",
+    ),
     ("torch.distributed.pipelining", "PipelineStage", None, "2.5", "2.5.1 torch/distributed/pipelining/__init__.py:12"),
     ("torch.distributed.pipelining", "ScheduleGPipe", None, "2.5", f"2.5.1 {_SCHED}:673"),
     ("torch.distributed.pipelining", "Schedule1F1B", None, "2.5", f"2.5.1 {_SCHED}:753"),
@@ -325,9 +332,8 @@ NEEDS = [
 # What the scan below looks for. A name taken from one of these modules (imported, or reached
 # through a module alias) must have a row above; so must a call passing one of these keywords
 # (or the NEEDS rows' own) to a torch callable. These modules and keywords are where recent
-# releases added what the code uses; enable_gqa= (scaled_dot_product_attention, in 2.5.1
-# torch/nn/functional.py:5610) and in_order= (DataLoader, new in 2.6.0) are not used yet, and
-# need a row once they are.
+# releases added what the code uses; in_order= (DataLoader, new in 2.6.0) is not used yet, and
+# needs a row once it is.
 GUARDED_MODULES = (
     "torch.distributed.fsdp",
     "torch.distributed.pipelining",
@@ -373,7 +379,10 @@ def _takes(obj, keyword: str) -> bool:
     try:
         return keyword in inspect.signature(obj).parameters
     except (TypeError, ValueError):
-        return False
+        # a builtin without a signature (torch's C functions, e.g. scaled_dot_product_attention):
+        # the one its docstring opens with, as torch's _add_docstr writes it
+        head = (getattr(obj, "__doc__", None) or "").split(") ->", 1)[0]
+        return f"{keyword}=" in head.replace(" ", "")
 
 
 def _guarded_uses(sources: dict) -> tuple:
@@ -507,13 +516,13 @@ def test_floor_table_lists_every_guarded_use():
 
 
 _UNLISTED = """
-import torch.nn.functional as F
+from torch.utils.data import DataLoader
 from torch.distributed import pipelining as pl
 from torch.distributed.tensor.parallel import loss_parallel
 from orchestrator import helper
 
-def attention(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+def loader(dataset):
+    return DataLoader(dataset, in_order=False)
 
 def schedule(stage):
     cls = {"gpipe": pl.ScheduleGPipe, "looped": pl.ScheduleLoopedBFS}["looped"]
@@ -537,7 +546,7 @@ def test_floor_scan_finds_unlisted_uses():
         "torch.distributed.pipelining.ScheduleLoopedBFS",
     }
     assert {(q, k) for q, k, _ in calls if not _listed(q, k)} == {
-        ("torch.nn.functional.scaled_dot_product_attention", "enable_gqa"),
+        ("torch.utils.data.DataLoader", "in_order"),
         ("torch.distributed.pipelining.ScheduleLoopedBFS", "scale_grads"),
         ("torch.distributed.new_group", "device_id"),
     }

@@ -25,8 +25,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainers import comm as comm_mod
 from trainers import rules
 from trainers.config import TrialSpec
-from trainers.model import GPT, cross_entropy
-from trainers.parallel import acc_dtype, apply_fsdp, build_mesh, build_stages, local
+from trainers.model import GPT
+from trainers.parallel import acc_dtype, apply_fsdp, build_mesh, build_stages, local, loss_fn
 from trainers.precision import LossScaler, apply_op_policy, autocast, cast_params
 from trainers.runtime import compile_backend
 
@@ -47,6 +47,9 @@ class RankModel:
             p.dp = world // (p.tp * p.pp)
         self.mesh = build_mesh(device.type, p) if dist.is_initialized() else None
         self.dp_rank = self.mesh.dp_rank if self.mesh else 0
+        # the token cross-entropy of the head's output: over the vocabulary shards under TP (the
+        # logits stay sharded), so no rank holds the whole vocabulary's logits
+        self.loss = loss_fn(self.mesh, self.margs.vocab_size)
         seed = self.targs.seed
         if self.mesh is None:
             stages = [(0, GPT(self.margs, seed=seed).to(device))]
@@ -122,13 +125,13 @@ class RankModel:
             "zbv": pl.ScheduleZBVZeroBubble,
         }[self.p.schedule]
 
-        def loss_fn(logits, target):
-            return self.scaler.scale_loss(cross_entropy(logits, target))
+        def scaled_loss(logits, target):
+            return self.scaler.scale_loss(self.loss(logits, target))
 
         # scale_grads: gradients are averaged over the microbatches, as a single process
         # accumulating the same micro-batches would
         arg = stages[0] if cls in (pl.ScheduleGPipe, pl.Schedule1F1B) else stages
-        return cls(arg, n_microbatches=self.p.microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(arg, n_microbatches=self.p.microbatches, loss_fn=scaled_loss, scale_grads=True)
 
     def train(self, mode: bool = True) -> None:
         for m in self.wrapped:
@@ -158,7 +161,7 @@ class RankModel:
                 with self._sync_ctx(i == accum - 1):
                     with autocast(self.pargs, self.device):
                         logits = self.wrapped[0](x)
-                    loss = cross_entropy(logits, y) / accum
+                    loss = self.loss(logits, y) / accum
                     self.scaler.scale_loss(loss).backward()
                 loss_acc += loss.detach()
         else:
@@ -189,7 +192,7 @@ class RankModel:
                 x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 with autocast(self.pargs, self.device):
                     if self.schedule is None:
-                        losses.append(cross_entropy(self.wrapped[0](x), y))
+                        losses.append(self.loss(self.wrapped[0](x), y))
                     else:
                         for xm, ym in zip(x.chunk(self.p.microbatches), y.chunk(self.p.microbatches)):
                             loss = self._pipeline_forward(xm, ym)
@@ -222,7 +225,7 @@ class RankModel:
                 h = _recv(owner[s - 1], group, self.device)
             h = local(mine[s](h))
             if s == self.n_stages - 1:
-                return cross_entropy(h, y)
+                return self.loss(h, y)
             if owner[s + 1] != me:
                 _send(h, owner[s + 1], group)
         return None

@@ -10,9 +10,16 @@ causal, the same as left-up for self-attention) with a 2048 x 2048 upper-triangu
 the kernel expands to any sequence length. It keeps no s x s score matrix, which is what makes it
 worth having at Llama sizes: the decomposed path materialises one per head and micro-batch.
 
+Grouped-query attention: ``head_num`` is the query's head count N1 (the op-plugin API page,
+https://www.hiascend.com/document/detail/zh/Pytorch/60RC3/apiref/apilist/ptaoplist_000445.html),
+and for GQA key and value come as [B, N2, S2, D] with N1 a whole multiple of N2 (Huawei Cloud
+ModelArts, "NPU_Flash_Attn融合算子约束", the constraints of the same kernel:
+https://support.huaweicloud.com/bestpractice-modelarts/modelarts_llm_train_5901150.html). So
+neither path here repeats key and value to every query head.
+
 Without an NPU (an emulated Ascend plan on CPU), the same computation runs through
-``F.scaled_dot_product_attention`` as a stand-in, so a rehearsal trains the same model; the run
-is tagged emulated.
+``F.scaled_dot_product_attention`` with its own GQA (``enable_gqa``) as a stand-in, so a
+rehearsal trains the same model; the run is tagged emulated.
 """
 
 from __future__ import annotations
@@ -42,10 +49,8 @@ def npu_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: floa
         import torch_npu  # type: ignore[import-not-found]
 
         return npu_kernel(torch_npu, q, k, v, dropout_p)
-    if k.shape[1] != q.shape[1]:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
 
 
 def npu_kernel(torch_npu, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
@@ -55,7 +60,8 @@ def npu_kernel(torch_npu, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dro
         q,
         k,
         v,
-        q.shape[1],  # head_num: this rank's query heads (tensor parallelism shards them)
+        q.shape[1],  # head_num: this rank's query heads (tensor parallelism shards them); k, v
+        # keep their own (fewer) kv heads: the kernel's GQA, no repeat_interleave
         "BNSD",
         atten_mask=_causal_mask(q.device),
         scale=1.0 / math.sqrt(q.shape[-1]),

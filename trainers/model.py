@@ -104,22 +104,35 @@ class Attention(nn.Module):
         # draws masks of the same local shapes in the same order, so the masks of replicated
         # activations (the residual branches) agree across the group
         p = self.dropout if self.training else 0.0
+        # grouped-query attention: k, v keep their kv heads throughout (no full-width copies)
         if self.impl == "npu_fused":  # Ascend's kernel takes grouped kv heads as they are
             y = npu_fused(q, k, v, p)
-            return F.dropout(self.wo(y.transpose(1, 2).reshape(b, t, -1)), p)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if self.impl == "fused":
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        elif self.impl == "fused":
+            # SDPA's own GQA (torch >= 2.5): query head h reads kv head h // (heads / kv heads), as
+            # repeat_interleave gave it. Its flash kernels keep k and v at kv width (the CPU's in
+            # torch 2.13: tests/test_saved_activations.py); where none applies (a CPU with
+            # dropout) the math fallback repeats them internally, as this module did before
+            gqa = k.shape[1] != q.shape[1]
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         else:
-            # matmul + softmax + matmul: the decomposition for chips without a fused kernel
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(self.hd)
-            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-            att = att.masked_fill(~mask, float("-inf"))
-            probs = in_dtype(self.softmax_dtype, lambda a: F.softmax(a, dim=-1), att).to(q.dtype)
-            y = F.dropout(probs, p) @ v
+            y = self._decomposed(q, k, v, p)
         return F.dropout(self.wo(y.transpose(1, 2).reshape(b, t, -1)), p)
+
+    def _decomposed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        """matmul + softmax + matmul: the decomposition for chips without a fused kernel. Under
+        GQA the ``rep`` query heads of each kv head are stacked along the rows of one matmul
+        against that kv head: (b, kv, rep * t, d) @ (b, kv, d, t), the same products as
+        repeating k and v to every query head, without the full-width copies (a broadcasting
+        matmul would make them: it expands and reshapes its operands for ``bmm``)."""
+        b, h, t, d = q.shape
+        g = k.shape[1]
+        qg = q.reshape(b, g, (h // g) * t, d)  # head g * rep + j -> rows [j * t, (j + 1) * t) of group g
+        att = ((qg @ k.transpose(-2, -1)) / math.sqrt(d)).view(b, h, t, t)
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        att = att.masked_fill(~mask, float("-inf"))
+        probs = in_dtype(self.softmax_dtype, lambda a: F.softmax(a, dim=-1), att).to(q.dtype)
+        y = F.dropout(probs, p).view(b, g, (h // g) * t, t) @ v
+        return y.view(b, h, t, d)
 
 
 class MLP(nn.Module):

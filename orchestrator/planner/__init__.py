@@ -12,7 +12,9 @@ One concern per module, each with its formulas and their sources in its docstrin
 - :mod:`.calibration`: the step-time factors fitted to measured trials in MLflow, and judged on
   held-out ones;
 - :mod:`.preflight`: one layout planned as composed, the preflight report a trial is launched on;
-- :mod:`.search`: every DP/TP/PP layout of N devices, fastest first.
+- :mod:`.search`: every point the trainer can run on N devices (layouts x batch split x schedule
+  x checkpointing x sharding x sequence parallelism, :mod:`.space`), fastest first, with why
+  each excluded point is excluded.
 
 Composing, validating and planning a config import no torch: the operator capture imports
 ``trainers.ops`` when first called.
@@ -58,7 +60,7 @@ from orchestrator.planner.preflight import (
     state_bytes_per_rank,
     with_model_overrides,
 )
-from orchestrator.planner.search import default_microbatches, layout_config, layouts, plan_devices
+from orchestrator.planner.search import default_microbatches, layout_config, layouts, plan_devices, plan_space
 from orchestrator.planner.shapes import (
     BYTES,
     GiB,
@@ -137,6 +139,7 @@ __all__ = [
     "model_state_bytes",
     "op_coverage",
     "plan_devices",
+    "plan_space",
     "plan_layout",
     "planning_errors",
     "predict",

@@ -1,11 +1,15 @@
-"""Calibration: the step-time model's three factors (compute efficiency, link efficiency, latency
-per collective) fitted to measured trials, and judged on trials it was not fitted to.
+"""Calibration: the step-time model's factors (compute efficiency, link efficiency, latency per
+collective, and the host's fixed costs: per layer and micro-batch, per pipeline stage chunk and
+micro-batch, per log2 step of a collective's group) fitted to measured trials, and judged on
+trials it was not fitted to.
 
 A fit's error on its own trials says little: with as many trials as factors it is ~0 by
 construction. :func:`calibrate` therefore takes ``held_out`` trials too (other layouts, measured
-the same way) and reports the fitted model's median and largest relative error and Spearman's
-rho of the step-time ranking on those (:class:`HeldOut`); ``bench/plan_calibration.py`` prints
-both, ``tests/test_planner.py`` checks them.
+the same way) and reports the fitted model's mean, median and largest relative error and the rank
+correlation of its step times with the measured ones (Spearman's rho, Kendall's tau) on those
+(:class:`HeldOut`); :func:`cross_validate` does the same leaving each layout out in turn.
+``bench/plan_calibration.py`` prints both, ``tests/test_planner.py`` and
+``tests/test_plan_calibration.py`` check them.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.planner.shapes import ModelShape, ParallelShape
-from orchestrator.planner.step_time import StepParts, combine, step_parts
+from orchestrator.planner.step_time import HostCosts, StepParts, combine, step_parts
 from orchestrator.validate import layout
 
 
@@ -40,6 +44,14 @@ class HeldOut:
     max_abs_rel_error: float
     spearman_rho: Optional[float]  # None below two runs
     runs: List[Dict[str, Any]] = field(default_factory=list)
+    mean_abs_rel_error: float = float("nan")
+    kendall_tau: Optional[float] = None  # tau-b; None below two runs
+
+
+# the factors in the order the fit carries them; the host terms are fitted only where the trials
+# can tell them (see calibrate)
+FACTORS = ("compute_efficiency", "comm_efficiency", "collective_latency_us", "layer_host_us", "stage_host_us", "collective_hop_us")
+HOST_FACTORS = FACTORS[3:]
 
 
 @dataclass
@@ -53,6 +65,19 @@ class Calibration:
     spearman_rho: Optional[float]  # on the trials fitted to
     runs: List[Dict[str, Any]] = field(default_factory=list)
     heldout: Optional[HeldOut] = None  # on the held-out trials, when some were given
+    layer_host_us: float = 0.0
+    stage_host_us: float = 0.0
+    collective_hop_us: float = 0.0
+    fitted: List[str] = field(default_factory=list)  # names (FACTORS) of the fitted factors
+
+    def values(self) -> Dict[str, float]:
+        """The planner keys this calibration sets, ``planner.KEY -> value``."""
+        return {k: float(getattr(self, k)) for k in FACTORS}
+
+    def apply(self, planner: DictConfig) -> None:
+        """Write every factor into a planner section (what ``--calibrate`` plans with)."""
+        for key, value in self.values().items():
+            setattr(planner, key, value)
 
 
 def _parse_param(text: str) -> Any:
@@ -146,6 +171,28 @@ def spearman_rho(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
     return cov / den if den > 0 else None
 
 
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+    """Kendall's tau-b (ties in either ranking discounted); None below two points or without pairs."""
+    if len(a) < 2:
+        return None
+    concordant = discordant = ties_a = ties_b = 0
+    for i in range(len(a)):
+        for j in range(i + 1, len(a)):
+            da, db = a[i] - a[j], b[i] - b[j]
+            if da == 0 and db == 0:
+                continue
+            if da == 0:
+                ties_a += 1
+            elif db == 0:
+                ties_b += 1
+            elif (da > 0) == (db > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    den = math.sqrt((concordant + discordant + ties_a) * (concordant + discordant + ties_b))
+    return (concordant - discordant) / den if den > 0 else None
+
+
 def layout_name(cfg: DictConfig) -> str:
     lay = layout(cfg)
     return f"dp{lay.dp}tp{lay.tp}pp{lay.pp}"
@@ -157,8 +204,9 @@ def trial_parts(cfg: DictConfig) -> StepParts:
     return step_parts(m, s, cfg.precision, cfg.comm, cfg.chip, cfg.planner)
 
 
-def _factors(cal: Calibration) -> Tuple[float, float, float]:
-    return cal.compute_efficiency, cal.comm_efficiency, cal.collective_latency_us * 1e-6
+def _factors(cal: Calibration) -> Tuple[float, float, float, HostCosts]:
+    host = HostCosts(cal.layer_host_us * 1e-6, cal.stage_host_us * 1e-6, cal.collective_hop_us * 1e-6)
+    return cal.compute_efficiency, cal.comm_efficiency, cal.collective_latency_us * 1e-6, host
 
 
 def _compare(trials: Sequence[MeasuredTrial], predicted: Sequence[float]) -> Tuple[List[float], List[Dict[str, Any]]]:
@@ -182,21 +230,26 @@ def predict(cal: Calibration, cfg: DictConfig) -> float:
 
 
 def _held_out(trials: Sequence[MeasuredTrial], predicted: List[float]) -> HeldOut:
-    """Median and largest relative error and Spearman's rho of ``predicted`` against ``trials``."""
+    """Mean, median and largest relative error, Spearman's rho and Kendall's tau of ``predicted``
+    against ``trials``."""
     if not trials:
         return HeldOut(0, float("nan"), float("nan"), None)
     errors, runs = _compare(trials, predicted)
+    measured = [t.step_time_s for t in trials]
     return HeldOut(
         len(trials),
         statistics.median(errors),
         max(errors),
-        spearman_rho(predicted, [t.step_time_s for t in trials]),
+        spearman_rho(predicted, measured),
         runs,
+        statistics.fmean(errors),
+        kendall_tau(predicted, measured),
     )
 
 
 def evaluate(cal: Calibration, trials: Sequence[MeasuredTrial]) -> HeldOut:
-    """Median and largest relative error and Spearman's rho of ``cal``'s predictions on ``trials``."""
+    """Mean, median and largest relative error, Spearman's rho and Kendall's tau of ``cal``'s
+    predictions on ``trials``."""
     return _held_out(trials, [predict(cal, t.cfg) for t in trials])
 
 
@@ -208,17 +261,72 @@ def split_by_layout(
     return ([t for t in trials if layout_name(t.cfg) not in names], [t for t in trials if layout_name(t.cfg) in names])
 
 
+# the host terms' prior: residual weight per unit of log(value / configured value), so a term the
+# trials barely constrain stays near its documented assumption (a factor of 10 away costs as much
+# as a ~11% misfit of one trial at 0.05)
+PRIOR_WEIGHT = 0.05
+# a host term is fitted when, at its configured value, it makes at least this share of some
+# trial's predicted step time (and there are more trials than factors); below, it keeps its value
+HOST_SHARE = 0.02
+
+_COLUMNS = (
+    "compute_s",
+    "backward_s",
+    "bubble",
+    "tp_comm_s",
+    "pp_comm_s",
+    "dp_comm_s",
+    "tp_calls",
+    "pp_calls",
+    "dp_calls",
+    "tp_hops",
+    "pp_hops",
+    "dp_hops",
+    "layer_passes",
+    "stage_passes",
+    "host_async",
+    "overlap",
+)
+
+
+def _host_shares(parts: Sequence[StepParts], ec: float, en: float, lat: float, host: HostCosts) -> Dict[str, float]:
+    """The largest share of a trial's predicted step time each host term makes at these values."""
+    out = {}
+    for key, off in (
+        ("layer_host_us", HostCosts(0.0, host.stage_s, host.hop_s)),
+        ("stage_host_us", HostCosts(host.layer_s, 0.0, host.hop_s)),
+        ("collective_hop_us", HostCosts(host.layer_s, host.stage_s, 0.0)),
+    ):
+        share = 0.0
+        for p in parts:
+            full = combine(p, ec, en, lat, host).step_time_s
+            if full > 0:
+                share = max(share, (full - combine(p, ec, en, lat, off).step_time_s) / full)
+        out[key] = share
+    return out
+
+
 def calibrate(
-    trials: Sequence[MeasuredTrial], planner: DictConfig, held_out: Sequence[MeasuredTrial] = ()
+    trials: Sequence[MeasuredTrial],
+    planner: DictConfig,
+    held_out: Sequence[MeasuredTrial] = (),
+    prior_weight: float = PRIOR_WEIGHT,
+    fit_host: bool = True,
 ) -> Calibration:
-    """Fit the compute efficiency, the link efficiency and the per-collective latency to measured
-    step times (least squares on log(predicted / measured) over a log-spaced grid, refined five
-    times, then polished by Levenberg-Marquardt), and report the fitted model's median absolute
-    relative error and Spearman's rho on the same trials and, apart, on the ``held_out`` ones
-    (:func:`evaluate`). What the trials cannot tell keeps its configured value: without any
-    communicating run, only the compute efficiency is fitted. With as many trials as fitted
-    factors the in-sample error is near zero by construction: judge the model on the held-out
-    figures."""
+    """Fit the step-time model's factors to measured step times: the compute efficiency, the link
+    efficiency and the per-collective latency by least squares on log(predicted / measured) over
+    a log-spaced grid, refined five times; then, with the host's fixed costs (per layer and
+    micro-batch, per stage chunk and micro-batch, per log2 step of a collective) that the trials
+    can tell, all of them polished together by Levenberg-Marquardt, each host term held to its
+    configured value by a weak prior (``prior_weight`` per unit of log ratio). Reports the fitted
+    model's median absolute relative error and Spearman's rho on the same trials and, apart, on
+    the ``held_out`` ones (:func:`evaluate`).
+
+    What the trials cannot tell keeps its configured value: without any communicating run, only
+    the compute efficiency is fitted; a host term only when it makes at least ``HOST_SHARE`` of
+    some trial's predicted time at its configured value and there are more trials than factors
+    (``fit_host=False``: never). With as many trials as fitted factors the in-sample error is
+    near zero by construction: judge the model on the held-out figures."""
     import numpy as np
 
     ec0, en0, lat0 = (
@@ -226,37 +334,35 @@ def calibrate(
         float(planner.comm_efficiency),
         float(planner.collective_latency_us) * 1e-6,
     )
+    host0 = HostCosts.of(planner)
+    host0_us = {k: float(planner[k]) for k in HOST_FACTORS}
+
+    def result(ec, en, lat, host_us, fitted, n_runs, err, rho, runs):
+        return Calibration(
+            ec, en, lat * 1e6, len(fitted), n_runs, err, rho, runs, None, *(host_us[k] for k in HOST_FACTORS), fitted
+        )
+
     if not trials:
-        cal = Calibration(ec0, en0, lat0 * 1e6, 0, 0, float("nan"), None)
+        cal = result(ec0, en0, lat0, host0_us, [], 0, float("nan"), None, [])
         cal.heldout = evaluate(cal, held_out) if held_out else None
         return cal
     parts = [trial_parts(t.cfg) for t in trials]
     y = np.array([t.step_time_s for t in trials])
-    col = {
-        k: np.array([getattr(p, k) for p in parts], dtype=float)[:, None, None, None]
-        for k in (
-            "compute_s",
-            "backward_s",
-            "bubble",
-            "tp_comm_s",
-            "pp_comm_s",
-            "dp_comm_s",
-            "tp_calls",
-            "pp_calls",
-            "dp_calls",
-            "overlap",
-        )
-    }
+    col = {k: np.array([float(getattr(p, k)) for p in parts])[:, None, None, None] for k in _COLUMNS}
     fit_comm = bool((col["tp_calls"] + col["pp_calls"] + col["dp_calls"]).sum() > 0)
 
-    def model(ec, en, lat):
-        compute = col["compute_s"] / ec / (1.0 - col["bubble"])
-        tp = col["tp_comm_s"] / en + col["tp_calls"] * lat
-        pp = col["pp_comm_s"] / en + col["pp_calls"] * lat
-        dp = col["dp_comm_s"] / en + col["dp_calls"] * lat
-        exposed = dp - np.minimum(col["overlap"] * dp, col["backward_s"] / ec)
-        return compute + tp + pp + exposed
+    def model(c, ec, en, lat, layer, stage, hop):
+        compute = c["compute_s"] / ec
+        layer_host = c["layer_passes"] * layer
+        busy = np.where(c["host_async"] > 0, np.maximum(compute, layer_host), compute + layer_host)
+        pipeline = (busy + c["stage_passes"] * stage) / (1.0 - c["bubble"])
+        tp = c["tp_comm_s"] / en + c["tp_calls"] * lat + c["tp_hops"] * hop
+        pp = c["pp_comm_s"] / en + c["pp_calls"] * lat + c["pp_hops"] * hop
+        dp = c["dp_comm_s"] / en + c["dp_calls"] * lat + c["dp_hops"] * hop
+        exposed = dp - np.minimum(c["overlap"] * dp, c["backward_s"] / ec)
+        return pipeline + tp + pp + exposed
 
+    h = (host0.layer_s, host0.stage_s, host0.hop_s)
     ranges = [(1e-4, 10.0, 81), (1e-4, 10.0, 25), (1e-7, 1e-1, 25)] if fit_comm else [(1e-4, 10.0, 161)]
     best = (ec0, en0, lat0)
     for _ in range(6):
@@ -264,22 +370,47 @@ def calibrate(
         ec = axes[0][:, None, None]
         en = axes[1][None, :, None] if fit_comm else np.array(en0)
         lat = axes[2][None, None, :] if fit_comm else np.array(lat0)
-        loss = (np.log(model(ec, en, lat) / y[:, None, None, None]) ** 2).sum(axis=0)
+        loss = (np.log(model(col, ec, en, lat, *h) / y[:, None, None, None]) ** 2).sum(axis=0)
         i, j, k = np.unravel_index(int(np.argmin(loss)), loss.shape)
         best = (float(axes[0][i]), float(axes[1][j]) if fit_comm else en0, float(axes[2][k]) if fit_comm else lat0)
         ranges = [
             (v / (hi / lo) ** (1 / (n - 1)), v * (hi / lo) ** (1 / (n - 1)), n) for v, (lo, hi, n) in zip(best, ranges)
         ]
-    if fit_comm:
-        best = _polish(lambda ec, en, lat: np.log(model(ec, en, lat).ravel() / y), best)
-    ec_b, en_b, lat_b = best
-    predicted = [combine(p, ec_b, en_b, lat_b).step_time_s for p in parts]
+    fitted = ["compute_efficiency"] + (["comm_efficiency", "collective_latency_us"] if fit_comm else [])
+    shares = _host_shares(parts, *best, host0)
+    if not fit_comm:  # no collective at all: the hop term has nothing to act on
+        shares["collective_hop_us"] = 0.0
+    host_fit = [
+        k for k in HOST_FACTORS if fit_host and host0_us[k] > 0 and shares[k] >= HOST_SHARE
+    ][: max(0, len(trials) - 1 - len(fitted))]
+    flat = {k: v[:, 0, 0, 0] for k, v in col.items()}
+    value = dict(zip(FACTORS, (*best, *h)))
+    if fit_comm or host_fit:
+        names = fitted + host_fit
+        start = [value[k] for k in names]
+        prior = np.array([math.log(value[k]) for k in host_fit])
+
+        def residuals(*theta):
+            v = {**value, **dict(zip(names, theta))}
+            r = np.log(model(flat, *(v[k] for k in FACTORS)) / y)
+            if not host_fit:
+                return r
+            own = np.log(np.array([v[k] for k in host_fit])) - prior
+            return np.concatenate([r, prior_weight * own])
+
+        value.update(zip(names, _polish(residuals, start)))
+        fitted = names
+    ec_b, en_b, lat_b = value["compute_efficiency"], value["comm_efficiency"], value["collective_latency_us"]
+    host_us = {k: value[k] * 1e6 for k in HOST_FACTORS}
+    host_b = HostCosts(value["layer_host_us"], value["stage_host_us"], value["collective_hop_us"])
+    predicted = [combine(p, ec_b, en_b, lat_b, host_b).step_time_s for p in parts]
     errors, runs = _compare(trials, predicted)
-    cal = Calibration(
+    cal = result(
         ec_b,
         en_b,
-        lat_b * 1e6,
-        3 if fit_comm else 1,
+        lat_b,
+        host_us,
+        [k for k in FACTORS if k in fitted],
         len(trials),
         statistics.median(errors),
         spearman_rho(predicted, [float(m) for m in y]),
@@ -289,7 +420,7 @@ def calibrate(
     return cal
 
 
-def _polish(residuals, start, iterations: int = 60):
+def _polish(residuals, start, iterations: int = 100):
     """Levenberg-Marquardt steps in log-parameter space from the grid's best point: the grid
     finds the basin, these find its floor (a latency traded against a link efficiency along a
     shallow valley stays a few percent off on the grid alone)."""
@@ -316,7 +447,7 @@ def _polish(residuals, start, iterations: int = 60):
     return tuple(float(v) for v in np.exp(theta))
 
 
-def cross_validate(trials: Sequence[MeasuredTrial], planner: DictConfig) -> HeldOut:
+def cross_validate(trials: Sequence[MeasuredTrial], planner: DictConfig, **fit: Any) -> HeldOut:
     """Leave one layout out: for each layout among ``trials``, fit to the trials of the other
     layouts and predict its own; the errors and the ranking of all those predictions. What
     ``python -m orchestrator.plan --calibrate`` reports beside the fit's in-sample error."""
@@ -326,8 +457,8 @@ def cross_validate(trials: Sequence[MeasuredTrial], planner: DictConfig) -> Held
     held_all: List[MeasuredTrial] = []
     predicted: List[float] = []
     for name in names:
-        fit, held = split_by_layout(trials, [name])
-        cal = calibrate(fit, planner)
+        fit_set, held = split_by_layout(trials, [name])
+        cal = calibrate(fit_set, planner, **fit)
         held_all += held
         predicted += [predict(cal, t.cfg) for t in held]
     return _held_out(held_all, predicted)

@@ -48,6 +48,7 @@ from orchestrator.planner.memory import (
 from orchestrator.planner.preflight import NOT_YET
 from orchestrator.planner.shapes import BYTES, GiB, ModelShape, ParallelShape, rank_contents, rank_params
 from orchestrator.planner.step_time import (
+    HostCosts,
     StepEstimate,
     StepParts,
     _link,
@@ -57,7 +58,10 @@ from orchestrator.planner.step_time import (
     combine,
     dp_calls,
     dp_traffic_bytes,
+    hops,
+    layer_passes,
     model_flops,
+    stage_passes,
 )
 from orchestrator.validate import SCHEDULES, Layout, validate
 from trainers import rules
@@ -270,6 +274,7 @@ class FastPlanner:
         self.act_b = BYTES[pr.compute_dtype]
         self.comm_bytes = communicator_bytes(ch.dist_backend, cm, pl)
         self.peak = float(ch.peak_tflops.get(pr.compute_dtype, ch.peak_tflops.get("fp32", 0.0))) * 1e12
+        self.host = HostCosts.of(pl)
         self._contents: Dict[Tuple, Any] = {}
         self._state: Dict[Tuple, ModelState] = {}
         self._params: Dict[Tuple, int] = {}
@@ -388,6 +393,7 @@ class FastPlanner:
             pp_s = pp_calls * msg / (s.tp if s.sequence_parallel else 1) / _link(chip, s.tp * s.pp)
         n = max(self._rank_params(m, s, rc, r) for r, rc in enumerate(contents))
         dp_s = dp_traffic_bytes(m, s, n, pr, cm, pl) / _link(chip, s.world)
+        n_dp = dp_calls(m, s, n, layers, pr, cm, pl)
         parts = StepParts(
             compute_s=compute,
             backward_s=backward,
@@ -397,11 +403,18 @@ class FastPlanner:
             dp_comm_s=dp_s,
             tp_calls=tp_calls,
             pp_calls=pp_calls,
-            dp_calls=dp_calls(m, s, n, layers, pr, cm, pl),
+            dp_calls=n_dp,
             overlap=float(pl.dp_overlap) if _overlap(cm) else 0.0,
             latency_s=float(pl.collective_latency_us) * 1e-6,
             model_flops=flops,
             peak_flops=peak_all,
+            tp_hops=hops(tp_calls, s.tp),
+            pp_hops=float(pp_calls),
+            dp_hops=hops(n_dp, s.dp),
+            layer_passes=layer_passes(layers, s, m.checkpointing),
+            stage_passes=stage_passes(s),
+            host_async=chip.device_type != "cpu",
+            host=self.host,
         )
         return combine(parts, float(pl.compute_efficiency), float(pl.comm_efficiency))
 

@@ -22,11 +22,30 @@
   same volume (Korthikanti et al. sec. 4.2.2). Over the intra-node link, not overlapped.
 - PP: each microbatch sends its activation forward and its gradient back across each of the
   rank's stage boundaries, not overlapped.
-- every collective costs ``collective_latency_us`` plus its bytes over ``comm_efficiency`` of the
-  chip's nominal per-device bandwidth (Hockney's alpha-beta model); calls per step: one per DDP
-  bucket (``comm.bucket_mb``, with or without the DDP wrapper), three per FSDP block with
-  overlap and two per stage without, one per TP collective and pipeline send. The three factors
-  can be fitted to finished trials in MLflow (:func:`orchestrator.planner.calibration.calibrate`).
+- every collective costs ``collective_latency_us`` plus ``collective_hop_us`` per log2 of its
+  group's size, plus its bytes over ``comm_efficiency`` of the chip's nominal per-device
+  bandwidth (Hockney's alpha-beta model, the alpha growing with the group as a tree's depth:
+  NCCL's own tuning model, ``src/graph/tuning.cc``, has a base latency per collective of
+  6.6-8.4 us and a per-step latency of 0.6 us over NVLink and 5 us over the network for tree
+  and ring LL, quoted in NVIDIA/nccl#1334; NVIDIA/nccl-tests#123 measured an 8-byte ring
+  all-reduce on a DGX A100 at 10 us on 2 GPUs and 34 us on 8); a pipeline send is one hop. Calls
+  per step: one per DDP bucket (``comm.bucket_mb``, with or without the DDP wrapper), three per
+  FSDP block with overlap and two per stage without, one per TP collective and pipeline send.
+- host fixed costs, what the host spends per call whatever the call computes (:class:`HostCosts`):
+  ``layer_host_us`` per layer per micro-batch (the forward and backward's operator dispatch and
+  kernel launches: about 100 operators a transformer layer at a few microseconds each, "each
+  launch takes on the order of microseconds", Modal's GPU glossary on CUDA graphs; the
+  recomputed forward of activation checkpointing adds a third), and, with a pipeline,
+  ``stage_host_us`` per stage chunk per micro-batch (the schedule's forward and backward call of
+  the chunk, its send/recv setup and the wait that drains the device's queue). Both are per rank
+  and stretched by the bubble like the compute they sit beside. An accelerator runs its kernels
+  behind the host's dispatch, so the per-layer cost only shows where it exceeds the compute
+  (``max``); a CPU "device" runs them on the dispatching thread, so there it adds. The
+  per-stage cost always adds: each stage boundary is a wait. Defaults are assumptions, to be
+  fitted (``--calibrate``).
+
+Every factor can be fitted to finished trials in MLflow
+(:func:`orchestrator.planner.calibration.calibrate`).
 """
 
 from __future__ import annotations
@@ -110,10 +129,41 @@ def dp_calls(
     return math.ceil(n_params * state_bytes(precision, planner)[1] / (float(comm.bucket_mb) * MiB))
 
 
+@dataclass(frozen=True)
+class HostCosts:
+    """The host's fixed costs, seconds: per layer per micro-batch, per pipeline stage chunk per
+    micro-batch, and per log2(group size) step of every collective."""
+
+    layer_s: float
+    stage_s: float
+    hop_s: float
+
+    @classmethod
+    def of(cls, planner: DictConfig) -> "HostCosts":
+        return cls(
+            float(planner.layer_host_us) * 1e-6, float(planner.stage_host_us) * 1e-6, float(planner.collective_hop_us) * 1e-6
+        )
+
+
+def hops(calls: int, group: int) -> float:
+    """Latency steps of ``calls`` collectives over ``group`` ranks: log2 of the group each."""
+    return calls * math.log2(group) if group > 1 else 0.0
+
+
+def layer_passes(layers: int, s: ParallelShape, checkpointing: bool) -> float:
+    """Layer forward+backward dispatches per step on the busiest rank (a recomputed forward is a third more)."""
+    return layers * s.microbatches * (4.0 / 3.0 if checkpointing else 1.0)
+
+
+def stage_passes(s: ParallelShape) -> int:
+    """Stage-chunk forward+backward calls per step on one pipeline rank; none without a pipeline."""
+    return s.chunks_per_rank * s.microbatches if s.pp > 1 else 0
+
+
 @dataclass
 class StepParts:
-    """Seconds per step at 100% efficiency and collective calls per step; :func:`combine`
-    applies efficiencies, the per-call latency and the overlap."""
+    """Seconds per step at 100% efficiency, collective calls and host passes per step;
+    :func:`combine` applies efficiencies, the per-call latency, the host costs and the overlap."""
 
     compute_s: float
     backward_s: float
@@ -128,6 +178,13 @@ class StepParts:
     latency_s: float
     model_flops: float
     peak_flops: float  # all devices together
+    tp_hops: float = 0.0  # sum over the step's TP collectives of log2(tp)
+    pp_hops: float = 0.0  # one per pipeline send
+    dp_hops: float = 0.0  # sum over the step's DP collectives of log2(dp)
+    layer_passes: float = 0.0
+    stage_passes: int = 0
+    host_async: bool = True  # the device runs kernels behind the host's dispatch (not a CPU)
+    host: HostCosts = HostCosts(0.0, 0.0, 0.0)  # the configured host costs
 
 
 @dataclass
@@ -145,6 +202,8 @@ class StepEstimate:
     compute_efficiency: float
     comm_efficiency: float
     latency_s: float
+    host_s: float = 0.0  # host fixed costs not hidden behind the device's work, bubble included
+    host: HostCosts = HostCosts(0.0, 0.0, 0.0)
 
 
 def step_parts(
@@ -172,6 +231,7 @@ def step_parts(
     n = max(rank_params(m, s, rc) for rc in contents)
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / _link(chip, s.world)
     overlap = float(planner.dp_overlap) if _overlap(comm) else 0.0
+    n_dp = dp_calls(m, s, n, layers, precision, comm, planner)
     return StepParts(
         compute_s=compute,
         backward_s=backward,
@@ -181,33 +241,52 @@ def step_parts(
         dp_comm_s=dp_s,
         tp_calls=tp_calls,
         pp_calls=pp_calls,
-        dp_calls=dp_calls(m, s, n, layers, precision, comm, planner),
+        dp_calls=n_dp,
         overlap=overlap,
         latency_s=float(planner.collective_latency_us) * 1e-6,
         model_flops=flops,
         peak_flops=peak_all,
+        tp_hops=hops(tp_calls, s.tp),
+        pp_hops=float(pp_calls),
+        dp_hops=hops(n_dp, s.dp),
+        layer_passes=layer_passes(layers, s, m.checkpointing),
+        stage_passes=stage_passes(s),
+        host_async=chip.device_type != "cpu",
+        host=HostCosts.of(planner),
     )
 
 
 def combine(
-    parts: StepParts, compute_efficiency: float, comm_efficiency: float, latency_s: Optional[float] = None
+    parts: StepParts,
+    compute_efficiency: float,
+    comm_efficiency: float,
+    latency_s: Optional[float] = None,
+    host: Optional[HostCosts] = None,
 ) -> StepEstimate:
-    """Step time = compute / (1 - bubble) + TP + PP + the DP traffic not hidden behind backward;
-    each collective costs ``latency_s + bytes / (bandwidth x comm_efficiency)`` (Hockney's
-    alpha-beta model; ``latency_s`` defaults to the parts' own, planner.collective_latency_us)."""
+    """Step time = (compute + host fixed costs) / (1 - bubble) + TP + PP + the DP traffic not
+    hidden behind backward; each collective costs ``latency_s + hops x host.hop_s + bytes /
+    (bandwidth x comm_efficiency)`` (Hockney's alpha-beta model); per layer and micro-batch the
+    host costs ``host.layer_s`` (hidden behind the compute on an accelerator, up to the compute's
+    length), per stage chunk and micro-batch ``host.stage_s``. ``latency_s`` and ``host`` default
+    to the parts' own, the configured planner.collective_latency_us and host terms."""
     lat = parts.latency_s if latency_s is None else latency_s
+    h = parts.host if host is None else host
     compute = parts.compute_s / compute_efficiency
-    pipeline = compute / (1.0 - parts.bubble)
+    layer_host = parts.layer_passes * h.layer_s
+    busy = max(compute, layer_host) if parts.host_async else compute + layer_host
+    stretch = 1.0 / (1.0 - parts.bubble)
+    pipeline = compute * stretch
+    host_s = (busy - compute + parts.stage_passes * h.stage_s) * stretch
     tp, pp, dp = (
-        x / comm_efficiency + calls * lat
-        for x, calls in (
-            (parts.tp_comm_s, parts.tp_calls),
-            (parts.pp_comm_s, parts.pp_calls),
-            (parts.dp_comm_s, parts.dp_calls),
+        x / comm_efficiency + calls * lat + n_hops * h.hop_s
+        for x, calls, n_hops in (
+            (parts.tp_comm_s, parts.tp_calls, parts.tp_hops),
+            (parts.pp_comm_s, parts.pp_calls, parts.pp_hops),
+            (parts.dp_comm_s, parts.dp_calls, parts.dp_hops),
         )
     )
     exposed = dp - min(parts.overlap * dp, parts.backward_s / compute_efficiency)
-    step = pipeline + tp + pp + exposed
+    step = pipeline + host_s + tp + pp + exposed
     return StepEstimate(
         step_time_s=step,
         mfu=parts.model_flops / (step * parts.peak_flops) if step > 0 else 0.0,
@@ -222,6 +301,8 @@ def combine(
         compute_efficiency=compute_efficiency,
         comm_efficiency=comm_efficiency,
         latency_s=lat,
+        host_s=host_s,
+        host=h,
     )
 
 
