@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from orchestrator import chips, conf_dir, planner, tracking, trial
 from orchestrator.config import Config
 from orchestrator.planner import ModelShape, ParallelShape
+from orchestrator.planner import memory as pmem
 from tests.conftest import ROOT, cli_env
 from trainers.ops import (
     FUSED_ATTENTION,
@@ -108,7 +109,10 @@ def test_seed_7b_fp32_training_about_140gb():
     mp = planner.memory_plan(m, s, precision(), DEFAULTS.comm, preset("chip", "ascend910b"), DEFAULTS.planner)
     assert states(mp) == pytest.approx(16 * m.n_params)
     assert states(mp) / 1e9 == pytest.approx(107.8, abs=0.1)
-    assert mp.total - mp.overhead == pytest.approx(140e9, rel=0.10)
+    # the states are exact; the activations are the trainer's own (tests/test_activation_bytes.py),
+    # which keep more than the rule of thumb allows for (fp32 norm inputs, probabilities and
+    # their copies): 155 GB, 11% over its 140 (151 GB when the planner counted Korthikanti's set)
+    assert mp.total - mp.overhead == pytest.approx(140e9, rel=0.15)
     assert not mp.fits  # and far from one 64 GB NPU
 
 
@@ -191,40 +195,57 @@ def test_weights_and_optimizer_match_megatron(cfg):
         assert m.n_params / 1e9 == pytest.approx(174.6, abs=0.1)  # "175B"
 
 
+def _paper_bytes(prec, m, device="cuda"):
+    return pmem.ActBytes.of(prec, m, device)
+
+
 @pytest.mark.parametrize("cfg", PUBLISHED, ids=[c["name"] for c in PUBLISHED])
-def test_activations_match_megatron_and_korthikanti(cfg):
+def test_activations_against_megatron_and_korthikanti(cfg):
+    """The planner counts what this trainer saves (tests/test_activation_bytes.py measures it,
+    tensor by tensor); Megatron's ``compute_activation_memory`` counts what Megatron saves
+    (its fused kernels keep less: one softmax output, no per-linear casts). Under the paper's
+    assumptions (16-bit everything, dropout, sequence parallelism, selective recompute: the fused
+    attention keeps no score matrix) the trainer keeps more, never less, and the same terms scale
+    alike: the in-flight microbatches (1F1B: p on the first stage) and the layers per stage."""
     s_len, b = 2048, 1
-    m = model(d_model=cfg["h"], n_heads=cfg["a"], n_layers=cfg["L"], d_ff=4 * cfg["h"])
+    m = model(d_model=cfg["h"], n_heads=cfg["a"], n_layers=cfg["L"], d_ff=4 * cfg["h"], dropout=0.1)
     s = ParallelShape(
         dp=1, tp=cfg["t"], pp=cfg["p"], microbatches=2 * cfg["p"], micro_batch=b, seq_len=s_len, sequence_parallel=True
     )
     prec = precision(param_dtype="bf16", compute_dtype="bf16")
     sbh = s_len * b * cfg["h"]
-    # Table 2, "sequence parallelism + selective activation recomputation": 34 s b h / t per layer
-    assert planner.layer_activation_bytes(m, s_len, b, cfg["t"], True, 2, True) == pytest.approx(34 * sbh / cfg["t"])
+    ours = planner.layer_activation_bytes(m, s_len, b, cfg["t"], True, _paper_bytes(prec, m))
+    ratio = ours / (34 * sbh / cfg["t"])  # Table 2, "sequence parallelism + selective recomputation"
+    assert 1.0 <= ratio <= 2.0, ratio
     mp = planner.memory_plan(m, s, prec, DEFAULTS.comm, preset("chip", "a100"), DEFAULTS.planner)
     assert mp.rank == 0  # 1F1B: the first stage holds p microbatches, the most
-    # the same terms; only the token ids (8 s b p) are kept whole on every TP rank, not / t
+    layers = cfg["L"] // cfg["p"]
+    assert mp.activations == pytest.approx(
+        cfg["p"] * layers * ours + cfg["p"] * pmem.embedding_activation_bytes(m, s_len, b), rel=1e-9
+    )
     expected = megatron_activation_bytes(s_len, b, cfg["h"], cfg["L"], cfg["t"], cfg["p"], s.microbatches)
-    ids = 8 * s_len * b * cfg["p"] * (1 - 1 / cfg["t"])
-    assert mp.activations == pytest.approx(expected + ids, rel=1e-9)
+    assert 1.0 <= mp.activations / expected <= 2.0
 
 
-def test_korthikanti_table2_rows():
-    """Per layer, 16-bit: s b h (34 + 5 a s/h) alone; s b h (10 + 24/t + 5 a s/(h t)) with TP;
-    s b h (34 + 5 a s/h)/t with TP + SP; 2 s b h with full recomputation. For GPT-3 175B the
-    paper points out 5 a s/h = 80 > 34 (sec. 4.1)."""
+def test_against_korthikanti_table2_rows():
+    """Per layer, 16-bit, Korthikanti et al. 2022 Table 2: s b h (34 + 5 a s/h) alone; s b h (10 +
+    24/t + 5 a s/(h t)) with TP; s b h (34 + 5 a s/h)/t with TP + SP; 2 s b h with full
+    recomputation. The trainer's decomposed attention and GELU MLP with dropout keep those
+    tensors and more (its own copies, measured in tests/test_activation_bytes.py); full
+    recomputation keeps exactly the block input. For GPT-3 175B the paper points out 5 a s/h =
+    80 > 34 (sec. 4.1)."""
     s_len, b, h, a, t = 2048, 1, 12288, 96, 8
-    m = model(d_model=h, n_heads=a, n_layers=96, d_ff=4 * h)
+    m = model(d_model=h, n_heads=a, n_layers=96, d_ff=4 * h, dropout=0.1, attn_impl="decomposed")
+    ab = _paper_bytes(precision(param_dtype="bf16", compute_dtype="bf16"), m)
     sbh, scores = s_len * b * h, 5 * a * s_len / h
     assert scores == 80
     layer = planner.layer_activation_bytes
-    assert layer(m, s_len, b, 1, False, 2, False) == pytest.approx(sbh * (34 + scores))
-    assert layer(m, s_len, b, t, False, 2, False) == pytest.approx(sbh * (10 + 24 / t + scores / t))
-    assert layer(m, s_len, b, t, True, 2, False) == pytest.approx(sbh * (34 + scores) / t)
-    assert planner.checkpointed_layer_bytes(m, s_len, b, 1, False, 2) == pytest.approx(2 * sbh)
-    assert planner.checkpointed_layer_bytes(m, s_len, b, t, True, 2) == pytest.approx(2 * sbh / t)
-    assert layer(m, s_len, b, 1, False, 4, True) == pytest.approx(2 * 34 * sbh)  # FP32 activations: twice
+    for tp, sp, paper in ((1, False, 34 + scores), (t, False, 10 + 24 / t + scores / t), (t, True, (34 + scores) / t)):
+        assert 1.0 <= layer(m, s_len, b, tp, sp, ab) / (sbh * paper) <= 2.0, (tp, sp)
+    assert planner.checkpointed_layer_bytes(m, s_len, b, 1, False, ab) == pytest.approx(2 * sbh)
+    assert planner.checkpointed_layer_bytes(m, s_len, b, t, True, ab) == pytest.approx(2 * sbh / t)
+    fp32 = _paper_bytes(precision(), m)  # fp32 everything: the 16-bit tensors twice the bytes
+    assert 1.0 < layer(m, s_len, b, 1, False, fp32) / layer(m, s_len, b, 1, False, ab) <= 2.0
 
 
 def test_interleaved_in_flight_matches_megatron_penalty():
@@ -269,8 +290,11 @@ def test_parallelism_divides_what_it_shards():
     assert sp8.activations < tp8.activations < base.activations
     # 1F1B: the first of 4 stages holds a quarter of the layers but 4 microbatches of them
     assert states(pp4) == pytest.approx(states(base) / 4, rel=0.05)
-    layers_only = planner.layer_activation_bytes(m, 4096, 1, 1, False, 2, True) * m.layers
-    assert pp4.activations == pytest.approx(layers_only, rel=0.01)
+    ab = pmem.ActBytes.of(prec, m, chip.device_type)
+    # (autocast's weight copies once per block the stage holds, not per microbatch)
+    layers = planner.layer_activation_bytes(m, 4096, 1, 1, False, ab) * m.layers
+    casts = pmem.layer_weight_cast_bytes(m, 1, ab) * m.layers / 4
+    assert pp4.activations == pytest.approx(layers + casts + 4 * pmem.embedding_activation_bytes(m, 4096, 1))
 
 
 def test_activation_checkpointing_and_decomposed_attention():
@@ -290,13 +314,28 @@ def test_activation_checkpointing_and_decomposed_attention():
         model(**kw, activation_checkpointing=True), s, prec, DEFAULTS.comm, chip, DEFAULTS.planner
     )
     dec = planner.memory_plan(model(**kw, attn_impl="decomposed"), s, prec, DEFAULTS.comm, chip, DEFAULTS.planner)
-    sbh = 4096 * 4096
-    head = 2 * 4 * 4096 * 32000 + 2 * sbh  # FP32 log-probs and their gradient + the head's input
-    one_layer = planner.layer_activation_bytes(model(**kw), 4096, 1, 1, False, 2, True)
-    embedding = 8 * 4096 + sbh  # token ids and the embedding's dropout mask
-    assert ckpt.activations == pytest.approx(32 * 2 * sbh + one_layer + head + embedding)
-    # the decomposed attention keeps the a s^2 score matrices: 5 a s / h = 160 s b h per layer
-    assert dec.activations - plain.activations == pytest.approx(32 * sbh * 160)
+    m, mc, md = model(**kw), model(**kw, activation_checkpointing=True), model(**kw, attn_impl="decomposed")
+    ab = pmem.ActBytes.of(prec, m, chip.device_type)
+    one_layer = planner.layer_activation_bytes(m, 4096, 1, 1, False, ab)
+    ends = pmem.embedding_activation_bytes(m, 4096, 1) + pmem.head_activation_bytes(m, 4096, 1, 1, False, ab)
+    casts = pmem.layer_weight_cast_bytes(m, 1, ab)
+    assert plain.activations == pytest.approx(32 * (one_layer + casts) + ends + pmem.head_weight_cast_bytes(m, 1, ab))
+    # checkpointing keeps each block's input (fp32 here: the residual is in the parameter dtype),
+    # one block's full set while it is recomputed, and one block's weight copies
+    kept = planner.checkpointed_layer_bytes(mc, 4096, 1, 1, False, ab)
+    assert kept == 4096 * 4096 * 4
+    assert ckpt.activations == pytest.approx(
+        32 * kept + one_layer + casts + ends + pmem.head_weight_cast_bytes(m, 1, ab)
+    )
+    # the decomposed attention keeps the a s^2 probabilities (fp32: bf16 compute, softmax in
+    # fp32_ops by default) and their bf16 copy, and the s^2 causal mask, in every layer
+    probs = 32 * 4096 * 4096
+    per_layer = probs * (ab.softmax + (ab.linear if ab.softmax != ab.linear else 0)) + 4096 * 4096
+    fused_only = 4096 * 4096 * 2 + 32 * 4096 * 4  # the fused kernel's output and log-sum-exp
+    fused_only += 4096 * 4096 * 2 if ab.fused_out_copy else 0
+    decomposed_only = 4096 * 4096 * 2  # wo's input: the product reshaped
+    assert dec.activations - plain.activations == pytest.approx(32 * (per_layer + decomposed_only - fused_only))
+    assert md.fused_attention is False
 
 
 def test_comm_buffers_per_communicator_and_ddp_buckets():

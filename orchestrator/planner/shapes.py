@@ -49,6 +49,7 @@ class ModelShape:
     tied: bool
     fused_attention: bool
     checkpointing: bool
+    dropout: float = 0.0  # attention-probability and residual dropout (model.dropout)
 
     @classmethod
     def of(cls, model: DictConfig | Dict[str, Any]) -> "ModelShape":
@@ -67,6 +68,7 @@ class ModelShape:
             tied=bool(model.get("tie_embeddings", True)),
             fused_attention=model.get("attn_impl", "fused") in ("fused", "npu_fused"),
             checkpointing=bool(model.get("activation_checkpointing", False)),
+            dropout=float(model.get("dropout", 0.0) or 0.0),
         )
 
     @property
