@@ -179,6 +179,12 @@ def step(optim: torch.optim.Optimizer, grad_scale, found_inf: Optional[torch.Ten
         # one multi-tensor kernel over the local gradients (as torch's own clip_grad_norm_ does),
         # not one small kernel per parameter
         grads = [local(p.grad) for group in optim.param_groups for p in group["params"] if p.grad is not None]
-        if grads:
+        if grads and torch.is_tensor(grad_scale) and grads[0].device.type == "npu":
+            # a device scalar times each gradient: plain broadcast multiplies, which every backend
+            # has (the foreach overload taking a tensor scalar, torch 2.1, is not known to be in
+            # torch_npu's op table)
+            for g in grads:
+                g.mul_(grad_scale)
+        elif grads:
             torch._foreach_mul_(grads, grad_scale)
     optim.step()
