@@ -14,12 +14,14 @@ measured runs there (to compare model variants on the same measurements).
 Runs one real trial per parallel preset on this machine (``+chip=cpu``, gloo processes, tracked in
 a private MLflow sqlite store), fits the planner's efficiency factors to the measured median step
 times of the presets not held out (``orchestrator.planner.calibrate``), and prints per preset the
-measured and predicted step time, the planned and measured peak memory, and two verdicts: the
+measured and predicted step time, the planned and measured peak memory, and the verdicts: the
 fit's median relative error and Spearman's rho on the presets it was fitted to (optimistic: with
-as many presets as factors it is ~0 by construction), and the same on the held-out presets, the
-figure to judge the model by; then every preset predicted by a fit to all the others (leave one
-layout out, ``orchestrator.planner.cross_validate``), so the ranking is judged over every layout
-that ran. A preset the trainer cannot run is reported and left out.
+as many presets as factors it is ~0 by construction), and the mean, median and largest relative
+error, Spearman's rho and Kendall's tau on the held-out presets, the figures to judge the model
+by (beside them the same fit with the host terms held at their defaults); then every preset
+predicted by a fit to the runs of all the other layouts (leave one layout out,
+``orchestrator.planner.cross_validate``), so the ranking is judged over every layout that ran.
+A preset the trainer cannot run is reported and left out.
 
 ``--threads 0`` (the default) leaves each worker's intra-op threads to the trainer, as a trial
 runs: the host's cores split among a node's workers (``trainers.runtime.select_device``), so every
@@ -129,45 +131,50 @@ def main() -> None:
         print("no finished trial to fit to")
         return
     planner_cfg = _compose(common).planner  # the factors' starting values, for both fits below
-    cal = planner.calibrate(fit, planner_cfg, held_out=held)
+    cal = planner.calibrate(fit, planner_cfg, held_out=held, fit_host="all")
     peaks = {t.run_id: t.peak_mem_gb for t in trials}
+    factors = ", ".join(f"{k}={v:.4g}" + ("" if k in cal.fitted else " (kept)") for k, v in cal.values().items())
     print(
         f"model={args.model} steps={args.steps} global_batch=16 seq_len=128 "
-        f"threads/worker={args.threads or 'cores/workers'}; "
-        f"fitted compute_efficiency={cal.compute_efficiency:.4g} comm_efficiency={cal.comm_efficiency:.4g} "
-        f"collective_latency_us={cal.collective_latency_us:.4g}"
+        f"threads/worker={args.threads or 'cores/workers'}; {factors}"
     )
+    width = max([10] + [len(p) + 2 for p in presets])
     print(
-        f"{'preset':<10}{'role':<10}{'measured_s':>12}{'predicted_s':>13}{'error':>8}{'planned_gb':>12}{'peak_gb':>10}"
+        f"{'preset':<{width}}{'role':<10}{'measured_s':>12}{'predicted_s':>13}{'error':>8}{'planned_gb':>12}"
+        f"{'peak_gb':>10}"
     )
     rows = [("fitted", r) for r in cal.runs] + [("held-out", r) for r in (cal.heldout.runs if cal.heldout else [])]
     for role, run in sorted(rows, key=lambda x: x[1]["measured_s"]):
         preset, plan_gb = planned.get(run["run_id"], ("?", float("nan")))
         print(
-            f"{preset:<10}{role:<10}{run['measured_s']:>12.4f}{run['predicted_s']:>13.4f}"
+            f"{preset:<{width}}{role:<10}{run['measured_s']:>12.4f}{run['predicted_s']:>13.4f}"
             f"{100 * run['rel_error']:>7.0f}%{plan_gb:>12.2f}{peaks.get(run['run_id']) or float('nan'):>10.2f}"
         )
     print(
         f"fitted:   median |relative error| {100 * cal.median_abs_rel_error:.1f}%, Spearman rho "
         f"{_rho(cal.spearman_rho)} over {cal.n_runs} runs ({cal.n_fitted} factors fitted; in-sample)"
     )
-    if cal.heldout and cal.heldout.n_runs:
-        h = cal.heldout
-        print(
-            f"held-out: median |relative error| {100 * h.median_abs_rel_error:.1f}%, largest "
-            f"{100 * h.max_abs_rel_error:.1f}%, Spearman rho {_rho(h.spearman_rho)} over {h.n_runs} layouts "
-            f"not fitted to"
+
+    def verdict(h) -> str:
+        return (
+            f"mean |relative error| {100 * h.mean_abs_rel_error:.1f}%, median {100 * h.median_abs_rel_error:.1f}%, "
+            f"largest {100 * h.max_abs_rel_error:.1f}%, Spearman rho {_rho(h.spearman_rho)}, Kendall tau "
+            f"{_rho(h.kendall_tau)} over {h.n_runs} runs"
         )
+
+    if cal.heldout and cal.heldout.n_runs:
+        print(f"held-out: {verdict(cal.heldout)} of presets not fitted to")
+        base = planner.calibrate(fit, planner_cfg, held_out=held, fit_host=False).heldout
+        print(f"held-out, host terms kept at their defaults (the model without them fitted): {verdict(base)}")
     else:
         print("held-out: none (give --held-out presets that ran)")
     # every layout predicted by a fit to the others (leave one layout out): as many held-out
     # layouts as ran, so rho ranks all of them, not the two or three of one split
-    loo = planner.cross_validate(trials, planner_cfg)
+    loo = planner.cross_validate(trials, planner_cfg, fit_host="all")
     if loo.n_runs:
+        n_layouts = len({planner.layout_name(t.cfg) for t in trials})
         print(
-            f"leave one layout out: median |relative error| {100 * loo.median_abs_rel_error:.1f}%, largest "
-            f"{100 * loo.max_abs_rel_error:.1f}%, Spearman rho {_rho(loo.spearman_rho)} over {loo.n_runs} layouts, "
-            f"each predicted by a fit to the others"
+            f"leave one layout out: {verdict(loo)} of {n_layouts} layouts, each predicted by a fit to the others' runs"
         )
     print(f"MLflow store: {uri}")
 

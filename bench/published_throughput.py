@@ -135,10 +135,15 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    eff = args.compute_efficiency if args.compute_efficiency is not None else OmegaConf.structured(Config).planner.compute_efficiency
+    eff = (
+        args.compute_efficiency
+        if args.compute_efficiency is not None
+        else OmegaConf.structured(Config).planner.compute_efficiency
+    )
+    v = f" v={args.virtual_stages}" if args.schedule == "interleaved_1f1b" else ""
     print(
         f"Narayanan et al. 2021, Table 1, against the planner (a100_80gb, fp16, recompute, micro-batch "
-        f"{args.micro_batch}, {args.schedule}{f' v={args.virtual_stages}' if args.schedule == 'interleaved_1f1b' else ''}, "
+        f"{args.micro_batch}, {args.schedule}{v}, "
         f"compute_efficiency {eff:g}, no fit)"
     )
     print(

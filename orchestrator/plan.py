@@ -205,8 +205,7 @@ def calibrate_into(cfg: DictConfig) -> str:
         )
     cal = planner.calibrate(trials, cfg.planner)
     loo = planner.cross_validate(trials, cfg.planner)  # before the fitted factors replace the configured
-    cfg.planner.compute_efficiency, cfg.planner.comm_efficiency = cal.compute_efficiency, cal.comm_efficiency
-    cfg.planner.collective_latency_us = cal.collective_latency_us
+    cal.apply(cfg.planner)  # every fitted factor, the host terms included
     rho = "n/a" if cal.spearman_rho is None else f"{cal.spearman_rho:.2f}"
     text = (
         f"{cal.n_fitted} factor(s) fitted to {cal.n_runs} trial(s): median |error| "

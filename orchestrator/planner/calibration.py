@@ -18,7 +18,7 @@ import json
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -50,7 +50,14 @@ class HeldOut:
 
 # the factors in the order the fit carries them; the host terms are fitted only where the trials
 # can tell them (see calibrate)
-FACTORS = ("compute_efficiency", "comm_efficiency", "collective_latency_us", "layer_host_us", "stage_host_us", "collective_hop_us")
+FACTORS = (
+    "compute_efficiency",
+    "comm_efficiency",
+    "collective_latency_us",
+    "layer_host_us",
+    "stage_host_us",
+    "collective_hop_us",
+)
 HOST_FACTORS = FACTORS[3:]
 
 
@@ -311,7 +318,7 @@ def calibrate(
     planner: DictConfig,
     held_out: Sequence[MeasuredTrial] = (),
     prior_weight: float = PRIOR_WEIGHT,
-    fit_host: bool = True,
+    fit_host: Union[bool, str] = True,
 ) -> Calibration:
     """Fit the step-time model's factors to measured step times: the compute efficiency, the link
     efficiency and the per-collective latency by least squares on log(predicted / measured) over
@@ -325,7 +332,9 @@ def calibrate(
     What the trials cannot tell keeps its configured value: without any communicating run, only
     the compute efficiency is fitted; a host term only when it makes at least ``HOST_SHARE`` of
     some trial's predicted time at its configured value and there are more trials than factors
-    (``fit_host=False``: never). With as many trials as fitted factors the in-sample error is
+    (``fit_host=False``: never; ``fit_host="all"``: each one some trial has a count of, whatever
+    its share at the configured value, for trial sets made to vary them, as
+    ``bench/plan_calibration.py``'s). With as many trials as fitted factors the in-sample error is
     near zero by construction: judge the model on the held-out figures."""
     import numpy as np
 
@@ -352,6 +361,10 @@ def calibrate(
     fit_comm = bool((col["tp_calls"] + col["pp_calls"] + col["dp_calls"]).sum() > 0)
 
     def model(c, ec, en, lat, layer, stage, hop):
+        with np.errstate(divide="ignore", invalid="ignore"):  # a factor driven to 0 by a step: refused by the fit
+            return _model(c, ec, en, lat, layer, stage, hop)
+
+    def _model(c, ec, en, lat, layer, stage, hop):
         compute = c["compute_s"] / ec
         layer_host = c["layer_passes"] * layer
         busy = np.where(c["host_async"] > 0, np.maximum(compute, layer_host), compute + layer_host)
@@ -380,9 +393,10 @@ def calibrate(
     shares = _host_shares(parts, *best, host0)
     if not fit_comm:  # no collective at all: the hop term has nothing to act on
         shares["collective_hop_us"] = 0.0
-    host_fit = [
-        k for k in HOST_FACTORS if fit_host and host0_us[k] > 0 and shares[k] >= HOST_SHARE
-    ][: max(0, len(trials) - 1 - len(fitted))]
+    floor = 0.0 if fit_host == "all" else HOST_SHARE
+    host_fit = [k for k in HOST_FACTORS if fit_host and host0_us[k] > 0 and shares[k] > 0 and shares[k] >= floor][
+        : max(0, len(trials) - 1 - len(fitted))
+    ]
     flat = {k: v[:, 0, 0, 0] for k, v in col.items()}
     value = dict(zip(FACTORS, (*best, *h)))
     if fit_comm or host_fit:
@@ -393,7 +407,7 @@ def calibrate(
         def residuals(*theta):
             v = {**value, **dict(zip(names, theta))}
             r = np.log(model(flat, *(v[k] for k in FACTORS)) / y)
-            if not host_fit:
+            if not host_fit or prior_weight <= 0:
                 return r
             own = np.log(np.array([v[k] for k in host_fit])) - prior
             return np.concatenate([r, prior_weight * own])

@@ -34,14 +34,12 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.planner.memory import (
+    ActBytes,
     MemoryPlan,
     ModelState,
-    checkpointed_layer_bytes,
     communicator_bytes,
-    communicators,
+    compose_memory_plan,
     dp_buffer_bytes,
-    inflight_microbatches,
-    layer_activation_bytes,
     model_state,
     state_bytes,
 )
@@ -272,6 +270,7 @@ class FastPlanner:
         pr, cm, ch, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
         self.pb, self.gb, _ = state_bytes(pr, pl)
         self.act_b = BYTES[pr.compute_dtype]
+        self.act_bytes = {ck: ActBytes.of(pr, mm, str(ch.get("device_type", "cuda"))) for ck, mm in self.models.items()}
         self.comm_bytes = communicator_bytes(ch.dist_backend, cm, pl)
         self.peak = float(ch.peak_tflops.get(pr.compute_dtype, ch.peak_tflops.get("fp32", 0.0))) * 1e12
         self.host = HostCosts.of(pl)
@@ -326,48 +325,18 @@ class FastPlanner:
         return b
 
     def memory(self, m: ModelShape, s: ParallelShape) -> MemoryPlan:
-        """:func:`orchestrator.planner.memory.memory_plan`, term for term."""
-        pl, chip = self.cfg.planner, self.cfg.chip
-        act_b = self.act_b
-        full = layer_activation_bytes(m, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, act_b, m.fused_attention)
-        kept = (
-            checkpointed_layer_bytes(m, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, act_b)
-            if m.checkpointing
-            else full
+        """:func:`orchestrator.planner.memory.memory_plan`'s composition, over this planner's caches."""
+        return compose_memory_plan(
+            m,
+            s,
+            self.act_bytes[m.checkpointing],
+            self.cfg.chip,
+            self.cfg.planner,
+            self.comm_bytes,
+            contents=lambda rank: self._rank(m, s, rank),
+            state=lambda rank: self._rank_state(m, s, rank),
+            dp_buffers=lambda rc, rank: self._dp_buffers(m, s, self._rank_params(m, s, rc, rank)),
         )
-        sb = s.seq_len * s.micro_batch
-        reserve, fraction = float(pl.runtime_overhead_gb) * GiB, float(pl.overhead_fraction)
-        chip_gb, headroom = float(chip.memory_gb), float(pl.headroom)
-        best: Optional[MemoryPlan] = None
-        for rank in range(s.pp):
-            rc = self._rank(m, s, rank)
-            layers = len(rc.layers)
-            state = self._rank_state(m, s, rank)
-            k = inflight_microbatches(s, rank)
-            act = k * layers * kept + (full if m.checkpointing and layers else 0.0)
-            if rc.embedding:
-                act += k * (8 * sb + sb * m.d / (s.tp if s.sequence_parallel else 1))
-            if rc.head:
-                head_k = s.microbatches if s.pp > 1 and s.schedule == "gpipe" else 1
-                act += head_k * (2 * 4 * sb * m.vocab / s.tp + act_b * sb * m.d)
-            n_comm = communicators(s, rank)
-            plan = MemoryPlan(
-                params=float(state.params),
-                grads=float(state.grads),
-                optimizer=float(state.optimizer),
-                activations=act,
-                comm_buffers=n_comm * self.comm_bytes,
-                dp_buffers=self._dp_buffers(m, s, self._rank_params(m, s, rc, rank)),
-                overhead=reserve + fraction * (state.total + act),
-                rank=rank,
-                communicators=n_comm,
-                chip_memory_gb=chip_gb,
-                headroom=headroom,
-            )
-            if best is None or plan.total > best.total:
-                best = plan
-        assert best is not None
-        return best
 
     # -- step time ----------------------------------------------------------------------------
 

@@ -141,7 +141,9 @@ class HostCosts:
     @classmethod
     def of(cls, planner: DictConfig) -> "HostCosts":
         return cls(
-            float(planner.layer_host_us) * 1e-6, float(planner.stage_host_us) * 1e-6, float(planner.collective_hop_us) * 1e-6
+            float(planner.layer_host_us) * 1e-6,
+            float(planner.stage_host_us) * 1e-6,
+            float(planner.collective_hop_us) * 1e-6,
         )
 
 
