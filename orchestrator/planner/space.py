@@ -44,23 +44,8 @@ from orchestrator.planner.memory import (
     state_bytes,
 )
 from orchestrator.planner.preflight import NOT_YET
-from orchestrator.planner.shapes import BYTES, GiB, ModelShape, ParallelShape, rank_contents, rank_params
-from orchestrator.planner.step_time import (
-    HostCosts,
-    StepEstimate,
-    StepParts,
-    _link,
-    _overlap,
-    allreduce_bytes,
-    bubble_fraction,
-    combine,
-    dp_calls,
-    dp_traffic_bytes,
-    hops,
-    layer_passes,
-    model_flops,
-    stage_passes,
-)
+from orchestrator.planner.shapes import GiB, ModelShape, ParallelShape, rank_contents, rank_params
+from orchestrator.planner.step_time import HostCosts, StepEstimate, combine, step_parts
 from orchestrator.validate import SCHEDULES, Layout, validate
 from trainers import rules
 
@@ -269,10 +254,8 @@ class FastPlanner:
         self.models = {ck: ModelShape.of(dict(self.cfg.model, activation_checkpointing=ck)) for ck in (False, True)}
         pr, cm, ch, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
         self.pb, self.gb, _ = state_bytes(pr, pl)
-        self.act_b = BYTES[pr.compute_dtype]
         self.act_bytes = {ck: ActBytes.of(pr, mm, str(ch.get("device_type", "cuda"))) for ck, mm in self.models.items()}
         self.comm_bytes = communicator_bytes(ch.dist_backend, cm, pl)
-        self.peak = float(ch.peak_tflops.get(pr.compute_dtype, ch.peak_tflops.get("fp32", 0.0))) * 1e12
         self.host = HostCosts.of(pl)
         self._contents: Dict[Tuple, Any] = {}
         self._state: Dict[Tuple, ModelState] = {}
@@ -341,48 +324,17 @@ class FastPlanner:
     # -- step time ----------------------------------------------------------------------------
 
     def step(self, m: ModelShape, s: ParallelShape) -> StepEstimate:
-        """:func:`orchestrator.planner.step_time.step_time`, term for term."""
-        pr, cm, chip, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
-        act_b = self.act_b
-        peak_all = max(self.peak, 1e-9) * (1 if chip.device_type == "cpu" else s.world)
-        flops = model_flops(m, s)
-        hw = flops * (8.0 / 6.0 if m.checkpointing else 1.0)
-        compute = hw / peak_all
-        backward = compute * (0.75 if m.checkpointing else 2.0 / 3.0)
-        contents = [self._rank(m, s, r) for r in range(s.pp)]
-        layers = max(len(rc.layers) for rc in contents)
-        msg = s.seq_len * s.micro_batch * m.d * act_b
-        tp_s, tp_calls = 0.0, 0
-        if s.tp > 1:
-            tp_calls = (6 if m.checkpointing else 4) * layers * s.microbatches
-            tp_s = tp_calls * allreduce_bytes(msg, s.tp) / _link(chip, s.tp)
-        pp_s, pp_calls = 0.0, 0
-        if s.pp > 1:
-            pp_calls = 2 * s.microbatches * s.chunks_per_rank
-            pp_s = pp_calls * msg / (s.tp if s.sequence_parallel else 1) / _link(chip, s.tp * s.pp)
-        n = max(self._rank_params(m, s, rc, r) for r, rc in enumerate(contents))
-        dp_s = dp_traffic_bytes(m, s, n, pr, cm, pl) / _link(chip, s.world)
-        n_dp = dp_calls(m, s, n, layers, pr, cm, pl)
-        parts = StepParts(
-            compute_s=compute,
-            backward_s=backward,
-            bubble=bubble_fraction(s),
-            tp_comm_s=tp_s,
-            pp_comm_s=pp_s,
-            dp_comm_s=dp_s,
-            tp_calls=tp_calls,
-            pp_calls=pp_calls,
-            dp_calls=n_dp,
-            overlap=float(pl.dp_overlap) if _overlap(cm) else 0.0,
-            latency_s=float(pl.collective_latency_us) * 1e-6,
-            model_flops=flops,
-            peak_flops=peak_all,
-            tp_hops=hops(tp_calls, s.tp),
-            pp_hops=float(pp_calls),
-            dp_hops=hops(n_dp, s.dp),
-            layer_passes=layer_passes(layers, s, m.checkpointing),
-            stage_passes=stage_passes(s),
-            host_async=chip.device_type != "cpu",
+        """:func:`orchestrator.planner.step_time.step_time`, with this planner's caches."""
+        pl = self.cfg.planner
+        parts = step_parts(
+            m,
+            s,
+            self.cfg.precision,
+            self.cfg.comm,
+            self.cfg.chip,
+            pl,
+            contents=lambda rank: self._rank(m, s, rank),
+            params=lambda rc, rank: self._rank_params(m, s, rc, rank),
             host=self.host,
         )
         return combine(parts, float(pl.compute_efficiency), float(pl.comm_efficiency))

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
 
@@ -209,8 +209,22 @@ class StepEstimate:
 
 
 def step_parts(
-    m: ModelShape, s: ParallelShape, precision: DictConfig, comm: DictConfig, chip: DictConfig, planner: DictConfig
+    m: ModelShape,
+    s: ParallelShape,
+    precision: DictConfig,
+    comm: DictConfig,
+    chip: DictConfig,
+    planner: DictConfig,
+    contents: Optional[Callable[[int], Any]] = None,
+    params: Optional[Callable[[Any, int], int]] = None,
+    host: Optional[HostCosts] = None,
 ) -> StepParts:
+    """The step's terms. ``contents(rank)`` (:func:`rank_contents`), ``params(rc, rank)``
+    (:func:`rank_params`) and ``host`` (``HostCosts.of(planner)``) default to the plain
+    functions; the search's fast path (``orchestrator/planner/space.py``) passes its caches of
+    the same."""
+    contents = contents or (lambda rank: rank_contents(m, s, rank))
+    params = params or (lambda rc, rank: rank_params(m, s, rc))
     act_b = BYTES[precision.compute_dtype]
     peak = float(chip.peak_tflops.get(precision.compute_dtype, chip.peak_tflops.get("fp32", 0.0))) * 1e12
     # a CPU "device" is a worker process: they all share the host, whose peak the cpu preset gives
@@ -219,8 +233,8 @@ def step_parts(
     hw = flops * (8.0 / 6.0 if m.checkpointing else 1.0)
     compute = hw / peak_all
     backward = compute * (0.75 if m.checkpointing else 2.0 / 3.0)
-    contents = [rank_contents(m, s, r) for r in range(s.pp)]
-    layers = max(len(rc.layers) for rc in contents)
+    ranks = [contents(r) for r in range(s.pp)]
+    layers = max(len(rc.layers) for rc in ranks)
     msg = s.seq_len * s.micro_batch * m.d * act_b
     tp_s, tp_calls = 0.0, 0
     if s.tp > 1:
@@ -230,7 +244,7 @@ def step_parts(
     if s.pp > 1:
         pp_calls = 2 * s.microbatches * s.chunks_per_rank
         pp_s = pp_calls * msg / (s.tp if s.sequence_parallel else 1) / _link(chip, s.tp * s.pp)
-    n = max(rank_params(m, s, rc) for rc in contents)
+    n = max(params(rc, r) for r, rc in enumerate(ranks))
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / _link(chip, s.world)
     overlap = float(planner.dp_overlap) if _overlap(comm) else 0.0
     n_dp = dp_calls(m, s, n, layers, precision, comm, planner)
@@ -254,7 +268,7 @@ def step_parts(
         layer_passes=layer_passes(layers, s, m.checkpointing),
         stage_passes=stage_passes(s),
         host_async=chip.device_type != "cpu",
-        host=HostCosts.of(planner),
+        host=host or HostCosts.of(planner),
     )
 
 
