@@ -112,4 +112,10 @@ def test_best_picks_the_fastest_sound_run_and_its_command_reproduces_it(store, t
     newest = sorted(_trials(uri), key=lambda r: r.info.start_time)[-2:]
     assert [r.data.tags["mlflow.runName"] for r in newest] == [" ".join(args), "+experiment=fastest"]
     for r in newest:
-        assert r.data.tags["trial.config_hash"] == expected.data.tags["trial.config_hash"]
+        # on a mismatch, the resolved keys that differ (the params are the flattened config)
+        differ = {
+            k: (expected.data.params.get(k), v)
+            for k, v in {**{k: None for k in expected.data.params}, **r.data.params}.items()
+            if expected.data.params.get(k) != v
+        }
+        assert r.data.tags["trial.config_hash"] == expected.data.tags["trial.config_hash"], differ

@@ -202,28 +202,15 @@ def test_ray_job_submit_runs_a_trial_on_the_cluster(tmp_path, ray_head):
     uri = "sqlite:///" + str(tmp_path / "mlruns.db")
     env = cli_env(RAY_AUTH_MODE="token")
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run(
-        [
-            RAY,
-            "job",
-            "submit",
-            "--address",
-            ray_head["dashboard"],
-            "--working-dir",
-            str(ROOT),
-            "--",
-            "python",
-            "-m",
-            "orchestrator",
-            *COMMON,
-            f"tracking.uri={uri}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    cmd = [RAY, "job", "submit", "--address", ray_head["dashboard"], "--working-dir", str(ROOT), "--"]
+    cmd += ["python", "-m", "orchestrator", *COMMON, f"tracking.uri={uri}"]
+    for _ in range(6):
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        # the head's job agent registers after the dashboard answers; until then Ray refuses the
+        # submission ("No available agent to submit job, please try again later") and nothing ran
+        if proc.returncode == 0 or "No available agent to submit job" not in proc.stdout + proc.stderr:
+            break
+        time.sleep(5)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "trial on Ray: 2 worker(s)" in proc.stdout + proc.stderr
     runs = search_runs(uri)
