@@ -99,14 +99,16 @@ def test_best_picks_the_fastest_sound_run_and_its_command_reproduces_it(store, t
     slow = json.loads(capsys.readouterr().out)
     assert "trainer.micro_batch=1" in slow["overrides"] and "trainer.lr=0.003" in slow["overrides"]
 
+    # --write saves the pick as a Hydra config that +experiment=NAME loads; written before either
+    # rerun lands in the store (a rerun is another measurement of its config: on a loaded machine
+    # a slow one can move the pick, as it once did here)
+    path = tmp_path / "experiment" / "fastest.yaml"
+    assert best.main(["--experiment", "orchestrator", "--tracking-uri", uri, "--write", str(path)]) == 0
+    assert "+experiment=fastest" in capsys.readouterr().out
     # the printed command, run as printed, gives the same resolved config (same config hash)
     args = shlex.split(got["command"])[3:]
     again = run_cli(args, cwd=root)
     assert again.returncode == 0, again.stderr[-3000:]
-    # --write saves it as a Hydra config that +experiment=NAME loads
-    path = tmp_path / "experiment" / "fastest.yaml"
-    assert best.main(["--experiment", "orchestrator", "--tracking-uri", uri, "--write", str(path)]) == 0
-    assert "+experiment=fastest" in capsys.readouterr().out
     loaded = run_cli(["--config-dir", str(tmp_path), "+experiment=fastest"], cwd=root)
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     newest = sorted(_trials(uri), key=lambda r: r.info.start_time)[-2:]

@@ -15,10 +15,11 @@ from sweeps.ovat import Study, StudyError, judge, parse_study
 from tests.conftest import ROOT, TableRunner, run_cli, search_runs
 
 # the shipped preset reshaped from the command line: micro-batches of 8 fixed, and as the first
-# variable a straggler planted in the baseline (rank 0 1 s late to every step, trainer.fault.
+# variable a straggler planted in the baseline (rank 0 2 s late to every step, trainer.fault.
 # straggle_s) against none: a win no load on the machine can hide (micro-batch 1 against 8 lost
 # to noise on a busy 2-core machine, and so did a 0.3 s straggler, where gpt_tiny's step times
-# ranged from 0.3 to 3.4 s); a learning rate that cannot reach the baseline's loss in
+# ranged from 0.3 to 3.4 s, and a 1 s one in a clean-clone run whose steps ranged 0.15 to 4.7 s);
+# a learning rate that cannot reach the baseline's loss in
 # 8 steps (the quality gate), a tensor-parallel size that does not divide the model (pruned before
 # launch), and a fault drill that kills rank 0 at step 2 (a crash)
 STUDY = [  # no -m: the preset sets multirun itself
@@ -28,7 +29,7 @@ STUDY = [  # no -m: the preset sets multirun itself
     "precision=fp32",
     "trainer.fault.kill_rank=0",
     "trainer.micro_batch=8",
-    "trainer.fault.straggle_s=1,0",
+    "trainer.fault.straggle_s=2,0",
     "trainer.lr=0.003,0.00001",
     "parallel.tp=1,3",
     "trainer.fault.at_step=-1,2",
@@ -71,7 +72,7 @@ def test_an_ovat_study_tunes_reports_and_resumes(tmp_path):
         "trainer.fault.at_step": "-1",
     }
     rows = {(r["variable"], r["value"]): r for r in data["rows"]}
-    base = rows[("(baseline)", "trainer.fault.straggle_s=1 trainer.lr=0.003 parallel.tp=1 trainer.fault.at_step=-1")]
+    base = rows[("(baseline)", "trainer.fault.straggle_s=2 trainer.lr=0.003 parallel.tp=1 trainer.fault.at_step=-1")]
     assert base["n"] == 2 and base["decision"] == "baseline"
     unplanted = rows[("trainer.fault.straggle_s", "0")]
     assert unplanted["adopted"] and unplanted["decision"].startswith("adopted") and unplanted["n"] == 2
