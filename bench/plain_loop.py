@@ -33,6 +33,7 @@ import torch
 from trainers.config import TrialSpec
 from trainers.model import GPT, Attention, LayerNorm, RMSNorm, cross_entropy
 from trainers.optim import fused_on
+from trainers.precision import cast_params
 from trainers.runtime import compile_backend
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,11 +49,7 @@ def build(spec: TrialSpec, device: torch.device, compile: Optional[bool] = None)
     ``trainer.compile``)."""
     p = spec.precision
     model = GPT(spec.model, seed=spec.trainer.seed).to(device)
-    if p.param_dtype != "fp32":
-        buffers = [(name.rpartition(".")[0], name.rpartition(".")[2], b) for name, b in model.named_buffers()]
-        model.to(DTYPES[p.param_dtype])
-        for owner, leaf, b in buffers:  # the RoPE tables stay fp32, as precision.cast_params keeps them
-            model.get_submodule(owner)._buffers[leaf] = b
+    cast_params(model, p.param_dtype)  # the trial's own cast: the RoPE tables stay fp32
     fp32 = set(p.fp32_ops)
     for m in model.modules():
         if isinstance(m, RMSNorm):
