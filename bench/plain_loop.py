@@ -33,10 +33,8 @@ import torch
 from trainers.config import TrialSpec
 from trainers.model import GPT, Attention, LayerNorm, RMSNorm, cross_entropy
 from trainers.optim import fused_on
-from trainers.precision import cast_params
+from trainers.precision import DTYPES, cast_params
 from trainers.runtime import compile_backend
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _device_module(device: torch.device):
