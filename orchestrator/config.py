@@ -131,6 +131,17 @@ class PlannerConfig:
     # ... and, with a pipeline, one stage chunk's forward/backward call, send/recv setup and wait
     # per micro-batch, never hidden
     stage_host_us: float = 100.0
+    # ... and, with tensor parallelism, what it adds per layer and micro-batch on top of the dispatch:
+    # DTensor's sharding propagation on every sharded op, the redistributions around each linear,
+    # each collective's wait for the slowest rank of its group (measured on this repo's 2-core CI
+    # host: ~5 ms a gpt_mini layer forward and backward for DTensor on a one-rank mesh alone, ~30 ms
+    # with a tp2 group; bench/plan_calibration.py fits it). Hidden behind an accelerator's kernels
+    # when shorter than them, like layer_host_us
+    tp_layer_host_us: float = 2000.0
+    # CPU chip only: the host cores that a node's worker processes share (0: this machine's
+    # os.cpu_count()). The trainer gives each worker cores // workers threads (at least one), so
+    # workers beyond the cores time-share them (planner/step_time.py)
+    host_cores: int = 0
     dp_overlap: float = 0.8  # fraction of DP gradient traffic hidden behind backward (comm.overlap)
     grad_accum_fp32: bool = False  # fp32 gradient buffers for 16-bit params (Megatron's main_grad)
     ddp_bucket_view: bool = False  # DDP gradient_as_bucket_view; False: buckets copy every gradient

@@ -57,8 +57,9 @@ FACTORS = (
     "layer_host_us",
     "stage_host_us",
     "collective_hop_us",
+    "tp_layer_host_us",
 )
-HOST_FACTORS = FACTORS[3:]
+HOST_FACTORS = FACTORS[3:]  # in HostCosts' field order
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Calibration:
     layer_host_us: float = 0.0
     stage_host_us: float = 0.0
     collective_hop_us: float = 0.0
+    tp_layer_host_us: float = 0.0
     fitted: List[str] = field(default_factory=list)  # names (FACTORS) of the fitted factors
 
     def values(self) -> Dict[str, float]:
@@ -212,7 +214,7 @@ def trial_parts(cfg: DictConfig) -> StepParts:
 
 
 def _factors(cal: Calibration) -> Tuple[float, float, float, HostCosts]:
-    host = HostCosts(cal.layer_host_us * 1e-6, cal.stage_host_us * 1e-6, cal.collective_hop_us * 1e-6)
+    host = HostCosts(*(getattr(cal, k) * 1e-6 for k in HOST_FACTORS))
     return cal.compute_efficiency, cal.comm_efficiency, cal.collective_latency_us * 1e-6, host
 
 
@@ -293,16 +295,21 @@ _COLUMNS = (
     "stage_passes",
     "host_async",
     "overlap",
+    "tp_layer_passes",
+    "share",
 )
 
 
 def _host_shares(parts: Sequence[StepParts], ec: float, en: float, lat: float, host: HostCosts) -> Dict[str, float]:
     """The largest share of a trial's predicted step time each host term makes at these values."""
+    from dataclasses import replace
+
     out = {}
     for key, off in (
-        ("layer_host_us", HostCosts(0.0, host.stage_s, host.hop_s)),
-        ("stage_host_us", HostCosts(host.layer_s, 0.0, host.hop_s)),
-        ("collective_hop_us", HostCosts(host.layer_s, host.stage_s, 0.0)),
+        ("layer_host_us", replace(host, layer_s=0.0)),
+        ("stage_host_us", replace(host, stage_s=0.0)),
+        ("collective_hop_us", replace(host, hop_s=0.0)),
+        ("tp_layer_host_us", replace(host, tp_layer_s=0.0)),
     ):
         share = 0.0
         for p in parts:
@@ -360,22 +367,25 @@ def calibrate(
     col = {k: np.array([float(getattr(p, k)) for p in parts])[:, None, None, None] for k in _COLUMNS}
     fit_comm = bool((col["tp_calls"] + col["pp_calls"] + col["dp_calls"]).sum() > 0)
 
-    def model(c, ec, en, lat, layer, stage, hop):
+    def model(c, ec, en, lat, layer, stage, hop, tp_layer):
         with np.errstate(divide="ignore", invalid="ignore"):  # a factor driven to 0 by a step: refused by the fit
-            return _model(c, ec, en, lat, layer, stage, hop)
+            return _model(c, ec, en, lat, layer, stage, hop, tp_layer)
 
-    def _model(c, ec, en, lat, layer, stage, hop):
-        compute = c["compute_s"] / ec
-        layer_host = c["layer_passes"] * layer
+    def _model(c, ec, en, lat, layer, stage, hop, tp_layer):
+        # step_time.combine over arrays of trials (and grids of factors)
+        u = c["share"]
+        compute = c["compute_s"] / ec / u
+        layer_host = c["layer_passes"] * layer + c["tp_layer_passes"] * tp_layer
         busy = np.where(c["host_async"] > 0, np.maximum(compute, layer_host), compute + layer_host)
-        pipeline = (busy + c["stage_passes"] * stage) / (1.0 - c["bubble"])
-        tp = c["tp_comm_s"] / en + c["tp_calls"] * lat + c["tp_hops"] * hop
-        pp = c["pp_comm_s"] / en + c["pp_calls"] * lat + c["pp_hops"] * hop
-        dp = c["dp_comm_s"] / en + c["dp_calls"] * lat + c["dp_hops"] * hop
+        pipeline = (busy + c["stage_passes"] * stage) * np.maximum(1.0 / (1.0 - c["bubble"]), u)
+        wait = np.maximum(1.0, u)
+        tp = wait * (c["tp_comm_s"] / en + c["tp_calls"] * lat + c["tp_hops"] * hop)
+        pp = wait * (c["pp_comm_s"] / en + c["pp_calls"] * lat + c["pp_hops"] * hop)
+        dp = wait * (c["dp_comm_s"] / en + c["dp_calls"] * lat + c["dp_hops"] * hop)
         exposed = dp - np.minimum(c["overlap"] * dp, c["backward_s"] / ec)
         return pipeline + tp + pp + exposed
 
-    h = (host0.layer_s, host0.stage_s, host0.hop_s)
+    h = (host0.layer_s, host0.stage_s, host0.hop_s, host0.tp_layer_s)
     ranges = [(1e-4, 10.0, 81), (1e-4, 10.0, 25), (1e-7, 1e-1, 25)] if fit_comm else [(1e-4, 10.0, 161)]
     best = (ec0, en0, lat0)
     for _ in range(6):
@@ -394,9 +404,10 @@ def calibrate(
     if not fit_comm:  # no collective at all: the hop term has nothing to act on
         shares["collective_hop_us"] = 0.0
     floor = 0.0 if fit_host == "all" else HOST_SHARE
-    host_fit = [k for k in HOST_FACTORS if fit_host and host0_us[k] > 0 and shares[k] > 0 and shares[k] >= floor][
-        : max(0, len(trials) - 1 - len(fitted))
-    ]
+    # the terms that weigh most first, as many as the trials leave room for
+    candidates = [k for k in HOST_FACTORS if fit_host and host0_us[k] > 0 and shares[k] > 0 and shares[k] >= floor]
+    room = len(HOST_FACTORS) if fit_host == "all" else max(0, len(trials) - 1 - len(fitted))
+    host_fit = sorted(candidates, key=lambda k: -shares[k])[:room]
     flat = {k: v[:, 0, 0, 0] for k, v in col.items()}
     value = dict(zip(FACTORS, (*best, *h)))
     if fit_comm or host_fit:
@@ -412,11 +423,17 @@ def calibrate(
             own = np.log(np.array([v[k] for k in host_fit])) - prior
             return np.concatenate([r, prior_weight * own])
 
-        value.update(zip(names, _polish(residuals, start)))
+        # from the grid's best point and from the configured values: the grid fits the link
+        # terms with the host terms at their defaults, so a large host term (TP's per layer) the
+        # grid had to express as a slow link is found from the second start
+        configured = {"compute_efficiency": ec0, "comm_efficiency": en0, "collective_latency_us": lat0}
+        starts = [start, [configured.get(k, value[k]) for k in names]]
+        polished = [_polish(residuals, s0) for s0 in starts]
+        value.update(zip(names, min(polished, key=lambda t: float((residuals(*t) ** 2).sum()))))
         fitted = names
     ec_b, en_b, lat_b = value["compute_efficiency"], value["comm_efficiency"], value["collective_latency_us"]
     host_us = {k: value[k] * 1e6 for k in HOST_FACTORS}
-    host_b = HostCosts(value["layer_host_us"], value["stage_host_us"], value["collective_hop_us"])
+    host_b = HostCosts(*(value[k] for k in HOST_FACTORS))
     predicted = [combine(p, ec_b, en_b, lat_b, host_b).step_time_s for p in parts]
     errors, runs = _compare(trials, predicted)
     cal = result(
@@ -451,9 +468,12 @@ def _polish(residuals, start, iterations: int = 100):
         jac = np.stack([(r(theta + h * e) - r(theta - h * e)) / (2 * h) for e in np.eye(len(theta))], axis=1)
         grad, normal = jac.T @ cur, jac.T @ jac
         step = np.linalg.solve(normal + damping * np.diag(np.diag(normal) + 1e-12), -grad)
-        trial = r(theta + step)
+        # a factor the trials do not constrain (a link no trial's time depends on) drifts along a
+        # flat valley: held within e^-40 .. e^5, it stays a number
+        nxt = np.clip(theta + step, -40.0, 5.0)
+        trial = r(nxt)
         if np.isfinite(trial).all() and (trial**2).sum() < (cur**2).sum():
-            theta, cur, damping = theta + step, trial, max(damping / 10, 1e-12)
+            theta, cur, damping = nxt, trial, max(damping / 10, 1e-12)
         else:
             damping *= 10
             if damping > 1e8:

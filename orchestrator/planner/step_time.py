@@ -11,9 +11,13 @@
 - DP: a ring all-reduce moves 2 S (N-1)/N bytes per rank for S bytes of gradients (FSDP: two
   parameter all-gathers and a gradient reduce-scatter, 1.5x, ZeRO paper sec. 7.2), over the
   intra-node link when the whole group sits in one node, else the inter-node link; a fraction
-  ``dp_overlap`` of it hides behind the backward pass (never more than the backward takes), and
-  none of it with ``comm.overlap=false``. FSDP without overlap is one unit per stage, the root of
-  the stage module, kept gathered from the forward through the backward
+  ``dp_overlap`` of it, of the part that can overlap at all, hides behind the backward pass
+  (never more than the backward takes), and none of it with ``comm.overlap=false``. DDP reduces a
+  bucket once the backward has made all of its gradients (Li et al. 2020, "PyTorch Distributed",
+  sec. 3.2.3), so the bucket holding the first layers' gradients, made last, is reduced after the
+  backward: of n buckets (``comm.bucket_mb``) or FSDP collectives, ``(n - 1) / n`` can overlap.
+  FSDP without overlap is one unit per stage, the root of the stage module, kept gathered from
+  the forward through the backward
   (``reshard_after_forward=False`` in ``trainers/assembly.py``; FSDP2 never reshards a root
   after the forward anyway, torch ``_fully_shard/_fsdp_state.py``): one all-gather and one
   reduce-scatter per stage, 1x.
@@ -41,8 +45,19 @@
   and stretched by the bubble like the compute they sit beside. An accelerator runs its kernels
   behind the host's dispatch, so the per-layer cost only shows where it exceeds the compute
   (``max``); a CPU "device" runs them on the dispatching thread, so there it adds. The
-  per-stage cost always adds: each stage boundary is a wait. Defaults are assumptions, to be
-  fitted (``--calibrate``).
+  per-stage cost always adds: each stage boundary is a wait. With tensor parallelism,
+  ``tp_layer_host_us`` per layer and micro-batch more (DTensor's sharding propagation on every
+  sharded op, the redistributions, each collective's wait for the slowest rank), counted as the
+  dispatch is. Defaults are assumptions, to be fitted (``--calibrate``).
+- a CPU "device" is a worker process, and a node's workers share the host's cores
+  (``planner.host_cores``, 0: this machine's): the trainer gives each ``cores // workers``
+  threads, at least one (``trainers/runtime.py select_device``), so the node's demand is
+  ``u = workers x threads / cores`` cores a core. A rank's busy time is its share of the compute at
+  its threads' speed (``compute / u``) plus its host costs; the step is the longer of the rank's
+  critical path (busy time stretched by the bubble) and the node's throughput bound (``u`` x busy:
+  workers beyond the cores time-share them, and fill each other's bubbles); every collective waits
+  ``max(1, u)`` times as long for its members to be scheduled. On an accelerator ``u`` is 1 and
+  this is the usual ``busy / (1 - bubble)``.
 
 Every factor can be fitted to finished trials in MLflow
 (:func:`orchestrator.planner.calibration.calibrate`).
@@ -51,6 +66,7 @@ Every factor can be fitted to finished trials in MLflow
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -137,6 +153,7 @@ class HostCosts:
     layer_s: float
     stage_s: float
     hop_s: float
+    tp_layer_s: float = 0.0  # added per layer and micro-batch by tensor parallelism
 
     @classmethod
     def of(cls, planner: DictConfig) -> "HostCosts":
@@ -144,12 +161,23 @@ class HostCosts:
             float(planner.layer_host_us) * 1e-6,
             float(planner.stage_host_us) * 1e-6,
             float(planner.collective_hop_us) * 1e-6,
+            float(planner.tp_layer_host_us) * 1e-6,
         )
 
 
 def hops(calls: int, group: int) -> float:
     """Latency steps of ``calls`` collectives over ``group`` ranks: log2 of the group each."""
     return calls * math.log2(group) if group > 1 else 0.0
+
+
+def cpu_share(s: ParallelShape, chip: DictConfig, planner: DictConfig) -> float:
+    """Cores each core of a CPU host is asked for (``u`` above): a node's workers times the
+    threads the trainer gives each, over the host's cores; 1 on an accelerator."""
+    if chip.device_type != "cpu":
+        return 1.0
+    cores = int(planner.get("host_cores", 0) or 0) or (os.cpu_count() or 1)
+    workers = min(s.world, max(1, int(chip.devices_per_node)))
+    return workers * max(1, cores // workers) / cores
 
 
 def layer_passes(layers: int, s: ParallelShape, checkpointing: bool) -> float:
@@ -187,6 +215,8 @@ class StepParts:
     stage_passes: int = 0
     host_async: bool = True  # the device runs kernels behind the host's dispatch (not a CPU)
     host: HostCosts = HostCosts(0.0, 0.0, 0.0)  # the configured host costs
+    tp_layer_passes: float = 0.0  # layer_passes under tensor parallelism, else 0
+    share: float = 1.0  # cores asked of each host core (cpu_share); 1 on an accelerator
 
 
 @dataclass
@@ -246,8 +276,10 @@ def step_parts(
         pp_s = pp_calls * msg / (s.tp if s.sequence_parallel else 1) / _link(chip, s.tp * s.pp)
     n = max(params(rc, r) for r, rc in enumerate(ranks))
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / _link(chip, s.world)
-    overlap = float(planner.dp_overlap) if _overlap(comm) else 0.0
     n_dp = dp_calls(m, s, n, layers, precision, comm, planner)
+    # the bucket (or FSDP unit) whose gradients the backward makes last is reduced after it: at
+    # most (n - 1) / n of the traffic can hide (one 25 MiB bucket holding every gradient hides none)
+    overlap = float(planner.dp_overlap) * (1.0 - 1.0 / max(1, n_dp)) if _overlap(comm) else 0.0
     return StepParts(
         compute_s=compute,
         backward_s=backward,
@@ -269,6 +301,8 @@ def step_parts(
         stage_passes=stage_passes(s),
         host_async=chip.device_type != "cpu",
         host=host or HostCosts.of(planner),
+        tp_layer_passes=layer_passes(layers, s, m.checkpointing) if s.tp > 1 else 0.0,
+        share=cpu_share(s, chip, planner),
     )
 
 
@@ -282,19 +316,25 @@ def combine(
     """Step time = (compute + host fixed costs) / (1 - bubble) + TP + PP + the DP traffic not
     hidden behind backward; each collective costs ``latency_s + hops x host.hop_s + bytes /
     (bandwidth x comm_efficiency)`` (Hockney's alpha-beta model); per layer and micro-batch the
-    host costs ``host.layer_s`` (hidden behind the compute on an accelerator, up to the compute's
-    length), per stage chunk and micro-batch ``host.stage_s``. ``latency_s`` and ``host`` default
-    to the parts' own, the configured planner.collective_latency_us and host terms."""
+    host costs ``host.layer_s`` (and ``host.tp_layer_s`` more under TP), hidden behind the compute
+    on an accelerator up to the compute's length, per stage chunk and micro-batch ``host.stage_s``.
+    On a CPU host shared ``u = parts.share`` ways, the compute is ``compute / u`` at a rank's
+    threads, the step the longer of the bubble-stretched busy time and ``u`` x it, and each
+    collective ``max(1, u)`` times as long. ``latency_s`` and ``host`` default to the parts' own,
+    the configured planner.collective_latency_us and host terms."""
     lat = parts.latency_s if latency_s is None else latency_s
     h = parts.host if host is None else host
-    compute = parts.compute_s / compute_efficiency
-    layer_host = parts.layer_passes * h.layer_s
+    u = parts.share
+    compute = parts.compute_s / compute_efficiency / u
+    layer_host = parts.layer_passes * h.layer_s + parts.tp_layer_passes * h.tp_layer_s
     busy = max(compute, layer_host) if parts.host_async else compute + layer_host
-    stretch = 1.0 / (1.0 - parts.bubble)
+    busy += parts.stage_passes * h.stage_s
+    stretch = max(1.0 / (1.0 - parts.bubble), u)  # the critical path, or the host's throughput
     pipeline = compute * stretch
-    host_s = (busy - compute + parts.stage_passes * h.stage_s) * stretch
+    host_s = (busy - compute) * stretch
+    wait = max(1.0, u)
     tp, pp, dp = (
-        x / comm_efficiency + calls * lat + n_hops * h.hop_s
+        wait * (x / comm_efficiency + calls * lat + n_hops * h.hop_s)
         for x, calls, n_hops in (
             (parts.tp_comm_s, parts.tp_calls, parts.tp_hops),
             (parts.pp_comm_s, parts.pp_calls, parts.pp_hops),
