@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from orchestrator import tracking
+from trainers.measure import Z95
 
 DIRECTIONS = ("minimize", "maximize")
 # objectives that are a trial's median step time, or its inverse: a run measured with
 # trainer.measure=adaptive carries the median's own 95% interval (step_time_ci_rel) for them
 STEP_TIME_OBJECTIVES = ("step_time_median_s", "tokens_per_s_median")
+# two independent medians, each with relative standard error s, differ by more than DIFF_Z x s
+# by chance 5% of the time
+DIFF_Z = Z95 * math.sqrt(2)
 
 
 def search(uri: str, experiment: str, filter_string: str = "", trials_only: bool = True) -> List[Any]:
@@ -125,6 +129,7 @@ class Point:
     labels: Dict[str, str] = field(default_factory=dict)  # what distinguishes it in a study: KEY -> value
     predicted_step_s: Optional[float] = None  # the planner's step time for it (orchestrator.planner)
     ci_rel: List[float] = field(default_factory=list)  # each run's step_time_ci_rel, where recorded
+    se_rel: List[float] = field(default_factory=list)  # each run's step_time_se_rel, where recorded
 
     @property
     def value(self) -> Optional[float]:
@@ -140,18 +145,26 @@ class Point:
 
     @property
     def spread(self) -> float:
-        """Its noise, relative: the spread of its repeats; for one run of a step-time objective
-        that recorded its median's 95% interval (``step_time_ci_rel``, every run of 6 or more
-        timed steps), that interval's whole width (2 x step_time_ci_rel, on the scale of a
-        spread); else 0."""
+        """Its noise, relative: the spread of its repeats (at least ``1.96 x sqrt(2) x
+        step_time_se_rel / sqrt(k)`` for k repeats that recorded it); for one run of a step-time objective,
+        the relative difference two such medians show at 95% by chance, ``1.96 x sqrt(2) x
+        step_time_se_rel`` (the median's standard error from the steps' median absolute
+        deviation, every run of 6 or more timed steps: one slow step does not inflate it); for a
+        run from before that metric, its median's 95% interval's whole width (2 x
+        step_time_ci_rel); else 0."""
+        if len(self.values) < 2 and self.se_rel:
+            return DIFF_Z * max(self.se_rel)
         if len(self.values) < 2 and self.ci_rel:
             return 2.0 * max(self.ci_rel)
-        return spread(self.values)
+        # several repeats: their spread, and no less than what their steps' noise allows for the
+        # median of k runs (two repeats that happen to agree do not make the noise zero)
+        within = DIFF_Z * max(self.se_rel) / math.sqrt(len(self.se_rel)) if self.se_rel else 0.0
+        return max(spread(self.values), within)
 
     def fill(self, uri: str, runs: Iterable[Any], objective: str, with_losses: bool = True) -> "Point":
         """Take these finished runs as the point's repeats."""
         self.run_ids, self.values, self.final_losses, self.val_losses, self.losses = [], [], [], [], {}
-        self.diverged, self.ci_rel = None, []
+        self.diverged, self.ci_rel, self.se_rel = None, [], []
         for run in runs:
             v = value(run, objective)
             if v is None:
@@ -162,6 +175,9 @@ class Point:
             ci = run.data.metrics.get("step_time_ci_rel")
             if objective in STEP_TIME_OBJECTIVES and ci is not None and math.isfinite(ci):
                 self.ci_rel.append(float(ci))
+            se = run.data.metrics.get("step_time_se_rel")
+            if objective in STEP_TIME_OBJECTIVES and se is not None and math.isfinite(se):
+                self.se_rel.append(float(se))
             final = run.data.metrics.get("final_loss")
             losses = loss_history(uri, rid) if with_losses else []
             self.losses[rid] = losses

@@ -8,8 +8,9 @@ per point, a minimum speedup, a loss band, passes. Coordinate descent: the basel
 variable's other candidates with every other variable at its current best, in one batch through
 the configured launcher; the fastest candidate that passes the quality gate is adopted when its
 speedup over the current best is at least ``max(min_speedup, 1 + noise)``, where the noise is the
-spread of the baseline's repeats (with ``repeats=1``, the width of the baseline's median step-time
-interval, which each trial records: ``orchestrator.results.Point.spread``). Further passes run
+spread of the baseline's repeats (with ``repeats=1``, the difference two medians show at 95% by
+chance from the standard error each trial records, robust to slow steps:
+``orchestrator.results.Point.spread``). Further passes run
 while the last one adopted something.
 
 With a step-time objective the planner orders each variable's candidates (predicted best first)

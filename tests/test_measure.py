@@ -42,6 +42,26 @@ def test_the_interval_holds_the_true_median_at_least_95_percent_of_the_time(n):
     assert held / trials >= 0.94  # the order-statistic interval is conservative: >= 95% less sampling noise
 
 
+@pytest.mark.parametrize("n", [8, 20, 60])
+def test_the_median_standard_error_is_the_spread_of_medians_and_ignores_an_outlier(n):
+    """median_rel_se against the spread of the median over repeated samples (normal steps, 5%
+    sigma): within 20% of it; one step 40x slower moves it by under 30%, where the order-statistic
+    interval's half-width, from 8 steps, grows to cover it."""
+    import statistics
+
+    rng = random.Random(n)
+    samples = [[rng.gauss(1.0, 0.05) for _ in range(n)] for _ in range(3000)]
+    true_se = statistics.pstdev([statistics.median(s) for s in samples])
+    estimated = statistics.median(measure.median_rel_se(s) for s in samples)
+    assert estimated == pytest.approx(true_se, rel=0.2)
+    clean = samples[0]
+    spoiled = clean[:-1] + [40.0]
+    assert measure.median_rel_se(spoiled) == pytest.approx(measure.median_rel_se(clean), rel=0.3)
+    if n == 8:
+        assert measure.relative_half_width(spoiled) > 10 * measure.relative_half_width(clean)
+    assert measure.median_rel_se(clean[:5]) is None  # under MIN_TIMED
+
+
 def test_adaptive_stops_once_the_median_is_known_and_fixed_runs_every_step(compose_cfg):
     steps = ["trainer.steps=30", "trainer.warmup_steps=2", "trainer.log_every=4"]
     # any interval is narrow enough: the stop comes at the first check, after 2 warm-up + 6 timed steps
@@ -49,6 +69,7 @@ def test_adaptive_stops_once_the_median_is_known_and_fixed_runs_every_step(compo
     assert loose["steps_run"] == 2 + measure.MIN_TIMED == len(rows) == len(loose["losses"])
     assert [r["step"] for r in rows] == list(range(8))  # the last partial batch was flushed
     assert loose["step_time_ci_rel"] == pytest.approx(measure.relative_half_width([r["step_time_s"] for r in rows[2:]]))
+    assert loose["step_time_se_rel"] == pytest.approx(measure.median_rel_se([r["step_time_s"] for r in rows[2:]]))
     fixed, rows = _train(compose_cfg, [*steps, "trainer.measure_tolerance=100"])
     assert fixed["steps_run"] == 30 == len(rows)
     assert fixed["losses"][:8] == loose["losses"]  # stopping early changes nothing before the stop

@@ -165,6 +165,60 @@ def test_one_repeat_counts_its_own_median_interval_as_its_noise():
     assert candidate.spread == 0.0
 
 
+def _steps(median: float, n: int = 8, seed: int = 0, outliers=(4.7,)) -> list:
+    """Planted step times: ``n`` steps around ``median`` (5% jitter), the last ones replaced by
+    ``outliers`` seconds (a flush, a collection: one step of a short run on a loaded machine)."""
+    import random
+
+    rng = random.Random(seed)
+    times = [median * (1 + rng.uniform(-0.05, 0.05)) for _ in range(n)]
+    return times[: n - len(outliers)] + list(outliers)
+
+
+def _run(times) -> Point:
+    """A point of one finished run whose steps took ``times``, with what the trainer records."""
+    import statistics
+
+    from trainers import measure
+
+    p = _point([statistics.median(times)], [3.0])
+    p.ci_rel = [measure.relative_half_width(times)]
+    p.se_rel = [measure.median_rel_se(times)]
+    return p
+
+
+@pytest.mark.parametrize("repeats", [1, 2, 3])
+def test_one_outlying_step_cannot_inflate_the_noise(repeats):
+    """Planted step times, each run with one 4.7 s step among 0.1-0.2 s ones: a true 2x change is
+    adopted, a 1% one is not, with one repeat a point and with several. Before, the noise of one
+    run was its median interval's width, which from 6-8 steps runs from the smallest step to the
+    largest: a 1 s-scale outlier set the threshold to about 40x and no change could win."""
+    study = _study(min_speedup=1.0)
+
+    def point(median, seed):
+        runs = [_run(_steps(median, seed=seed + 10 * r)) for r in range(repeats)]
+        p = runs[0]
+        for r in runs[1:]:
+            p.values += r.values
+            p.final_losses += r.final_losses
+            p.se_rel += r.se_rel
+            p.ci_rel += r.ci_rel
+        return p
+
+    base = point(0.2, 1)
+    threshold = max(study.min_speedup, 1.0 + base.spread)
+    assert threshold < 1.10, base.spread  # the outlier is not the noise, the jitter is
+    twice = point(0.1, 2)
+    ok, why = judge(twice, base, base, study, threshold)
+    assert ok, why
+    near = point(0.2 / 1.01, 3)
+    ok, why = judge(near, base, base, study, threshold)
+    assert not ok and "no win" in why, why
+    if repeats == 1:  # the old rule, the interval's width, would have refused the 2x change
+        old = 1.0 + 2.0 * max(base.ci_rel)
+        assert old > 2.0, old
+
+
 def test_the_quality_gate_rejects_fast_points_that_lose_quality():
     study = _study(loss_band=0.05)
     base = _point([1.0, 1.0], [3.0, 3.0])

@@ -268,6 +268,8 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         "resumed_from_step": start_step,
         "steps_run": history[-1]["step"] + 1,  # < trainer.steps when trainer.measure=adaptive stopped early
         "step_time_ci_rel": half_width,  # the median's 95% interval half-width / median (None: < 6 timed steps)
+        # the median's standard error / median, from the MAD: the noise a comparison of trials uses
+        "step_time_se_rel": measure.median_rel_se(timed),
         "bubble_fraction": rules.bubble_fraction(p.pp, p.microbatches, p.schedule, p.virtual_stages),
         # per rank, in rank order: bytes of parameters, gradients and optimizer state held
         "model_state_bytes": [{k: int(held[k][r]) for k in held} for r in range(world)],

@@ -13,6 +13,11 @@ approximation, j = floor(n/2 - z sqrt(n)/2), gives the extremes x_1 and x_10 for
 coverage is 99.8%, where x_2 and x_9 hold 97.9%). Below ``MIN_TIMED`` samples it is too loose to
 trust and no stop is taken.
 
+The noise a comparison of two trials needs is another figure: :func:`median_rel_se`, the
+median's standard error from the median absolute deviation, which one slow step cannot inflate
+(the interval above, from 6 to 8 samples, runs from the smallest to the largest: one garbage
+collection or flush among them set a single-run sweep's threshold at 7-9x).
+
 Every rank must stop at the same step (the next step's collectives would hang otherwise): the
 decision is taken on rank 0's times and shared with the others by the caller (one broadcast of a
 flag per check, ``trainers/loop.py``).
@@ -26,6 +31,8 @@ from typing import Optional, Sequence, Tuple
 
 MIN_TIMED = 6  # timed steps before an interval is trusted
 Z95 = 1.959964  # the two-sided 95% normal quantile
+MAD_SIGMA = 1.482602  # a normal sample's standard deviation per median absolute deviation
+MEDIAN_SE = math.sqrt(math.pi / 2)  # the median's standard error per sigma / sqrt(n), normal samples
 
 
 def median_interval(times: Sequence[float], z: float = Z95) -> Optional[Tuple[float, float, float]]:
@@ -59,3 +66,17 @@ def enough(times: Sequence[float], tolerance: float) -> bool:
     """Whether the timed steps so far pin the median to within ``tolerance`` (relative)."""
     width = relative_half_width(times)
     return width is not None and width <= tolerance
+
+
+def median_rel_se(times: Sequence[float]) -> Optional[float]:
+    """The median's standard error over the median, robustly: ``sqrt(pi/2) x 1.4826 x MAD /
+    sqrt(n)`` (the median absolute deviation estimates the spread of the bulk of the steps; up to
+    half of them can be arbitrarily slow without moving it). None below ``MIN_TIMED`` samples."""
+    n = len(times)
+    if n < MIN_TIMED:
+        return None
+    mid = statistics.median(times)
+    if mid <= 0:
+        return None
+    mad = statistics.median(abs(t - mid) for t in times)
+    return MEDIAN_SE * MAD_SIGMA * mad / math.sqrt(n) / mid
