@@ -1,0 +1,60 @@
+"""The ``auto`` Hydra sweeper: plan every point the trainer can run on ``launch.world_size``
+devices, measure the few that can win, in the planner's order, until none left can. Hydra imports
+this module at start-up, so it imports nothing heavy; the study is in ``sweeps.auto_study``."""
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from hydra.plugins.sweeper import Sweeper
+
+
+@dataclass
+class AutoSpaceConf:
+    """The values each knob of the space takes (None: every value the trainer runs)."""
+
+    schedules: Optional[List[str]] = None  # gpipe, 1f1b, interleaved_1f1b, zbv
+    activation_checkpointing: Optional[List[bool]] = None
+    dp_shard: Optional[List[str]] = None  # ddp, fsdp
+    sequence_parallel: Optional[List[bool]] = None
+    max_pp: int = 16
+
+
+@dataclass
+class AutoSweeperConf:
+    _target_: str = "hydra_plugins.auto_sweeper.auto_sweeper.AutoSweeper"
+    batch: int = 0  # trials measured between two refits; 0: what the nodes hold at once, at least 2
+    min_speedup: float = 1.03  # an unmeasured point must be predicted this much faster to be tried
+    max_trials: int = 12  # budget: trials launched (at least 1)
+    max_trial_seconds: Optional[float] = None  # budget: summed trial wall time, seconds (None: none)
+    dry_run: bool = False  # plan, print the shortlist and the measuring cost, launch nothing
+    # measure every planned point, fastest predicted first, without the early stop (a grid over the
+    # planned space, to judge the search and the planner by; the budgets still hold)
+    exhaustive: bool = False
+    shortlist: int = 10  # planned points logged (and printed by a dry run)
+    # narrow the space, e.g. hydra.sweeper.space.schedules=[1f1b,zbv]
+    space: AutoSpaceConf = field(default_factory=AutoSpaceConf)
+
+
+ConfigStore.instance().store(group="hydra/sweeper", name="auto", node=AutoSweeperConf, provider="chip-orchestrator")
+
+
+class AutoSweeper(Sweeper):
+    def __init__(self, **spec: Any) -> None:
+        self.spec = spec
+        self.config: Optional[Any] = None
+        self.hydra_context: Optional[Any] = None
+        self.launcher: Optional[Any] = None
+
+    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
+        from hydra.core.plugins import Plugins
+
+        self.config, self.hydra_context = config, hydra_context
+        self.launcher = Plugins.instance().instantiate_launcher(
+            hydra_context=hydra_context, task_function=task_function, config=config
+        )
+
+    def sweep(self, arguments: List[str]) -> Any:
+        from sweeps.auto_study import run_auto
+
+        return run_auto(self, arguments)

@@ -1,0 +1,324 @@
+"""The ``auto`` Hydra sweeper's study (``+sweep=auto``): from a model and a number of devices to
+the measured best layout, with nothing listed by hand.
+
+1. **Plan**: every point the trainer can run on ``launch.world_size`` devices
+   (``orchestrator.planner.plan_space``: layouts x batch split x schedule and virtual stages x
+   activation checkpointing x DP sharding x sequence parallelism), pruned by the rules and the
+   memory fit, ranked by predicted step time. Logged: points, fits, excluded counts per reason,
+   the shortlist. ``hydra.sweeper.dry_run=true`` stops here, launching nothing.
+2. **Measure**: the candidates in the planner's order, ``batch`` at a time through the
+   configured launcher (each a timing trial, tracked in MLflow like any other), the ranking
+   corrected by what was measured after each batch, until no unmeasured candidate credited with
+   the planner's measured error can win, or the budget is spent (``sweeps/auto.py``: the rules,
+   tested on planted timings). A trial that runs out of memory prunes what needs more.
+
+Every candidate's fate is in the report (``auto_report.md`` / ``.json`` in the sweep directory and
+on the sweep's parent run): measured (predicted and measured side by side), failed, pruned by a
+failure, or not measured (its prediction out of reach), with the planner's mean error and
+Kendall's tau on the measured points, trials and trial-seconds against the budget, and the
+command that reproduces the best. Re-running reuses finished trials from MLflow by config hash.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from orchestrator import chips, results, sweep, tracking
+from orchestrator.planner.space import Space
+from orchestrator.validate import SCHEDULES
+from sweeps.auto import OOM, Entry, Search, summary
+from sweeps.ovat import PREFIX, Runner, Study, _fail_study
+
+log = logging.getLogger("orchestrator")
+
+
+@dataclass
+class AutoSpec:
+    """The sweeper's settings, checked."""
+
+    batch: int = 0  # trials a batch; 0: as many as launch.nnodes nodes hold at once, at least 2
+    min_speedup: float = 1.03
+    max_trials: int = 12
+    max_trial_seconds: Optional[float] = None
+    dry_run: bool = False
+    exhaustive: bool = False
+    shortlist: int = 10
+    space: Space = Space()
+
+
+def parse(spec: Dict[str, Any]) -> AutoSpec:
+    """The sweeper's config as an AutoSpec; every broken key is one line of the StudyError."""
+    errors: List[str] = []
+    out = AutoSpec()
+
+    def number(key: str, kind: type, low: float, strict: bool = False) -> Any:
+        value = spec.get(key, getattr(out, key))
+        try:
+            value = kind(value)
+        except (TypeError, ValueError):
+            errors.append(f"{PREFIX}.{key}={value!r}: must be a number")
+            return getattr(out, key)
+        if value < low or (strict and value == low):
+            errors.append(f"{PREFIX}.{key}={value}: must be {'above' if strict else 'at least'} {low:g}")
+        return value
+
+    out.batch = number("batch", int, 0)
+    out.min_speedup = number("min_speedup", float, 1.0)
+    out.max_trials = number("max_trials", int, 1)
+    out.shortlist = number("shortlist", int, 1)
+    if spec.get("max_trial_seconds") is not None:
+        out.max_trial_seconds = number("max_trial_seconds", float, 0.0, strict=True)
+    out.dry_run = bool(spec.get("dry_run", False))
+    out.exhaustive = bool(spec.get("exhaustive", False))
+    space = dict(spec.get("space") or {})  # its keys are the sweeper schema's (AutoSpaceConf)
+    schedules = tuple(space.get("schedules") or SCHEDULES)
+    bad = [s for s in schedules if s not in SCHEDULES]
+    if bad:
+        errors.append(f"{PREFIX}.space.schedules: {bad} not among {list(SCHEDULES)}")
+    shards = tuple(space.get("dp_shard") or ("ddp", "fsdp"))
+    if set(shards) - {"ddp", "fsdp"}:
+        errors.append(f"{PREFIX}.space.dp_shard: {list(shards)}: each must be ddp or fsdp")
+    out.space = Space(
+        schedules=schedules,
+        activation_checkpointing=tuple(bool(v) for v in (space.get("activation_checkpointing") or (False, True))),
+        dp_shard=shards,
+        sequence_parallel=tuple(bool(v) for v in (space.get("sequence_parallel") or (False, True))),
+        max_pp=int(space.get("max_pp") or 16),
+    )
+    if errors:
+        from sweeps.ovat import StudyError
+
+        raise StudyError(errors)
+    return out
+
+
+def _plain(cfg: DictConfig) -> DictConfig:
+    with open_dict(cfg):
+        if "hydra" in cfg:
+            del cfg["hydra"]
+    return cfg
+
+
+def _entry_row(e: Entry, chosen: Optional[Entry], stop: str) -> Dict[str, Any]:
+    left = "not measured: budget spent" if stop.startswith("budget") else "not measured: predicted out of reach"
+    fate = {"finished": "measured", "pruned": "pruned by a failure", "pending": left}.get(
+        e.status, f"failed: {e.status}"
+    )
+    return {
+        "candidate": e.name,
+        "fate": fate,
+        "predicted_s": e.predicted_s,
+        "corrected_s": e.corrected_s,
+        "measured_s": e.measured_s,
+        "trial_s": e.trial_s,
+        "reason": e.reason,
+        "best": e is chosen,
+    }
+
+
+def _pct(v: Optional[float]) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def markdown(data: Dict[str, Any]) -> str:
+    s = data["summary"]
+    lines = [
+        f"# Automatic search: {data['model']} on {data['devices']} x {data['chip']}",
+        "",
+        f"- planned: {data['points']} points, {data['fit']} fit, in {data['plan_seconds']:.2f} s",
+        "- excluded: " + ("; ".join(f"{n} {why}" for why, n in data["excluded"].items()) or "none"),
+        f"- measured: {s['trials']} trials, {s['trial_seconds']:.0f} trial-seconds "
+        f"(budget: max_trials={data['budget']['max_trials']}, max_trial_seconds={data['budget']['max_trial_seconds']})",
+        f"- stopped: {data['stop']}",
+        f"- planner on the measured points: mean |error| {_pct(s['planner_mean_abs_error'])}, Kendall's tau "
+        f"{results.fmt(s['planner_kendall_tau'], 2)}",
+        f"- best: {s['best'] or '-'}" + (f" at {s['best_s']:.4g} s a step" if s["best_s"] else ""),
+        f"- command: `{data['command']}`" if data.get("command") else "- command: -",
+        "",
+        "| candidate | fate | predicted s | corrected s | measured s | reason |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in data["candidates"]:
+        if r["fate"].startswith("not measured"):
+            continue  # the table lists what ran or was ruled out; the rest are counted below
+        lines.append(
+            f"| {r['candidate']}{' (best)' if r['best'] else ''} | {r['fate']} | {r['predicted_s']:.4g} | "
+            f"{results.fmt(r['corrected_s'])} | {results.fmt(r['measured_s'])} | {r['reason'][:120]} |"
+        )
+    left = [r for r in data["candidates"] if r["fate"].startswith("not measured")]
+    if left:
+        lines += ["", f"{len(left)} candidate(s) {left[0]['fate']}; the next predicted: " + ", ".join(
+            f"{r['candidate']} ({results.fmt(r['corrected_s'])} s)" for r in left[:5]
+        )]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
+    """The ``auto`` sweeper's ``sweep()``."""
+    from orchestrator.planner import plan_space
+    from sweeps.ovat import StudyError
+
+    spec = {k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v) for k, v in sweeper.spec.items()}
+    info = sweep.active(sweeper.hydra_context)
+    try:
+        auto = parse(spec)
+    except StudyError as err:
+        _fail_study(err.errors, info)
+    cfg = _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, list(arguments)))
+    chips.resolve(cfg)
+    devices = int(cfg.launch.world_size)
+    if devices <= 0:
+        _fail_study(["launch.world_size: give the number of devices to search over (launch.world_size=N)"], info)
+    t0 = time.perf_counter()
+    res = plan_space(cfg, devices, auto.space)
+    plan_s = time.perf_counter() - t0
+    excluded = {why: ex.count for why, ex in sorted(res.excluded.items(), key=lambda kv: -kv[1].count)}
+    log.info(
+        "auto: %d points on %d x %s, %d fit, planned in %.2f s; excluded: %s",
+        res.count,
+        devices,
+        cfg.chip.name,
+        res.fit,
+        plan_s,
+        "; ".join(f"{n} {why}" for why, n in excluded.items()) or "none",
+    )
+    if not res.plans:
+        near = res.closest[0] if res.closest else None
+        extra = f" (closest: {near.candidate.name} at {near.memory.total / 2**30:.1f} GiB)" if near else ""
+        _fail_study([f"model={cfg.model.name}: no point of {devices} devices fits or runs{extra}"], info)
+    for i, p in enumerate(res.plans[: auto.shortlist]):
+        log.info("auto: shortlist %d. %s predicted %.4g s", i + 1, p.candidate.name, p.step.step_time_s)
+    dpn = int(cfg.chip.devices_per_node)
+    # a batch: the trials the nodes hold at once (the Ray launcher runs them side by side, the
+    # basic one in turn), at least two so each refit has something new
+    batch = auto.batch or max(2, max(1, int(cfg.launch.nnodes)) * dpn // devices)
+    if auto.dry_run:
+        n = min(auto.max_trials, res.fit)
+        guess = sum(p.step.step_time_s for p in res.plans[:n]) * float(cfg.trainer.steps)
+        print(f"auto (dry run): {res.count} points, {res.fit} fit, planned in {plan_s:.2f} s")
+        for why, count in excluded.items():
+            print(f"  excluded {count:>6}  {why}")
+        for i, p in enumerate(res.plans[: auto.shortlist]):
+            print(f"  {i + 1:>3}. {p.candidate.name:<48} predicted {p.step.step_time_s:.4g} s")
+        print(
+            f"measure: at most {n} trials in batches of {batch}, about {guess:.0f} s of training steps "
+            f"({cfg.trainer.steps} steps each at the predicted step times, launches not counted)"
+        )
+        if info is not None:
+            sweep.discard(info)
+        return []
+    if info is None:
+        _fail_study(["tracking.enabled=false: the auto sweeper reads every measurement back from MLflow"])
+    sweep.sweeper_resumes(info)
+    keys = list(res.plans[0].candidate.values(devices, dpn))
+    study = Study(name="auto", variables=OrderedDict((k, []) for k in keys), fixed=list(arguments), repeats=1)
+    runner = Runner(sweeper, study, info)
+    top = runner.point(OrderedDict((k, _value(v)) for k, v in res.plans[0].candidate.values(devices, dpn).items()))
+    if top.status not in ("pending", tracking.STATUS_OK):
+        _fail_study([f"launch.world_size={devices}: the planner's best point cannot launch here: {top.reason}"], info)
+    search = Search.of(
+        [(p.candidate, p.step.step_time_s) for p in res.plans],
+        batch=batch,
+        threshold=auto.min_speedup,
+        max_trials=auto.max_trials,
+        max_trial_seconds=auto.max_trial_seconds or 0.0,
+        exhaustive=auto.exhaustive,
+    )
+    points: Dict[int, Any] = {}
+
+    def measure(entries: List[Entry]) -> None:
+        pts = []
+        for e in entries:
+            assignment = OrderedDict((k, _value(v)) for k, v in e.candidate.values(devices, dpn).items())
+            pts.append(runner.point(assignment))
+        runner.measure(pts)
+        for e, p in zip(entries, pts):
+            points[id(e)] = p
+            seconds = _seconds(info["uri"], p.run_ids)
+            if p.status == tracking.STATUS_OK and p.value is not None:
+                search.record(e, p.value, trial_s=seconds)
+            else:
+                search.record(e, None, status=p.status if p.status != "pending" else "crash", reason=p.reason,
+                              trial_s=seconds)  # fmt: skip
+            log.info("auto: %s: %s", e.name, f"{p.value:.4g} s" if p.value else f"{p.status}: {p.reason[:200]}")
+
+    t1 = time.perf_counter()
+    stop = search.run(measure)
+    best = search.best()
+    best_point = points.get(id(best)) if best else None
+    command = results.command(best_point.overrides) if best_point else None
+    data = {
+        "model": str(cfg.model.name),
+        "chip": str(cfg.chip.name),
+        "devices": devices,
+        "points": res.count,
+        "fit": res.fit,
+        "plan_seconds": plan_s,
+        "excluded": excluded,
+        "budget": {"max_trials": auto.max_trials, "max_trial_seconds": auto.max_trial_seconds},
+        "stop": stop,
+        "log": search.log,
+        "summary": summary(search),
+        "candidates": [_entry_row(e, best, stop) for e in search.entries],
+        "command": command,
+        "wall_seconds": time.perf_counter() - t1,
+    }
+    _report(data, Path(str(sweeper.config.hydra.sweep.dir)), info, best_point)
+    log.info("auto: %s; best %s (%s)", stop, best.name if best else "-", command or "nothing finished")
+    return runner.returns
+
+
+def _value(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def _seconds(uri: str, run_ids: List[str]) -> float:
+    c = tracking.client(uri)
+    total = 0.0
+    for rid in run_ids:
+        try:
+            r = c.get_run(rid)
+        except Exception:  # noqa: BLE001 - a run the store no longer has
+            continue
+        if r.info.end_time and r.info.start_time:
+            total += (r.info.end_time - r.info.start_time) / 1000.0
+    return total
+
+
+def _report(data: Dict[str, Any], out_dir: Path, info: Dict[str, str], best_point: Any) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = out_dir / "auto_report.md", out_dir / "auto_report.json"
+    md.write_text(markdown(data))
+    js.write_text(json.dumps(data, indent=1, default=str))
+    c = tracking.client(info["uri"])
+    rid = info["parent_run_id"]
+    c.log_artifact(rid, str(md))
+    c.log_artifact(rid, str(js))
+    c.set_tag(rid, "auto.stop", data["stop"][:5000])
+    if best_point is not None:
+        c.set_tag(rid, "tuning.final_overrides", " ".join(best_point.overrides)[:5000])
+        c.set_tag(rid, "tuning.command", (data["command"] or "")[:5000])
+    s = data["summary"]
+    metrics = {
+        "auto_trials": s["trials"],
+        "auto_trial_seconds": s["trial_seconds"],
+        "best_objective": s["best_s"],
+        "planner_mean_abs_error": s["planner_mean_abs_error"],
+        "planner_kendall_tau": s["planner_kendall_tau"],
+    }
+    tracking.log_metrics(
+        info["uri"], rid, {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+    )
+    log.info("auto: report %s (and on the sweep's parent run %s)", md, rid)
+
+
+__all__ = ["AutoSpec", "parse", "run_auto", "markdown", "OOM"]

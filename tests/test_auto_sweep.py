@@ -1,0 +1,96 @@
+"""``+sweep=auto`` end to end on this machine: the plan (dry run), bad input, and a real search
+over a CPU space (real trials through Hydra's basic launcher, tracked in MLflow's sqlite store),
+its report, and a second run that resumes from MLflow. The decision rules themselves are tested
+on planted timings in tests/test_auto_search.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli, search_runs
+
+BASE = ["+sweep=auto", "+chip=cpu", "trainer.global_batch=8", "trainer.seq_len=32", "trainer.steps=8"]
+# gpt_tiny on 2 CPU ranks, the space narrowed to what a test can afford: dp2, tp2 or pp2 (1F1B),
+# with micro-batches 1-4, DDP or FSDP
+SMALL = [
+    *BASE,
+    "model=gpt_tiny",
+    "launch.world_size=2",
+    "hydra.sweeper.space.schedules=[1f1b]",
+    "hydra.sweeper.space.activation_checkpointing=[false]",
+    "hydra.sweeper.space.sequence_parallel=[false]",
+    "hydra.sweeper.max_trials=3",
+]
+
+
+def _trial_runs(uri):
+    return [r for r in search_runs(uri) if "sweep.status" not in r.data.tags]
+
+
+def test_a_dry_run_plans_and_launches_nothing(tmp_path):
+    proc = run_cli([*BASE, "model=llama_tiny", "launch.world_size=4", "hydra.sweeper.dry_run=true"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "auto (dry run): 164 points, 108 fit" in out, out
+    assert "excluded     48  parallel.microbatches=N is below parallel.pp=N" in out
+    assert "    1. dp4tp1pp1" in out and "measure: at most 12 trials in batches of 2" in out
+    uri = "sqlite:///" + str(tmp_path / "mlruns.db")
+    assert _trial_runs(uri) == []  # nothing launched, nothing recorded
+
+
+@pytest.mark.parametrize(
+    "extra,line",
+    [
+        ([], "launch.world_size: give the number of devices to search over"),
+        (["launch.world_size=2", "hydra.sweeper.max_trials=0"], "hydra.sweeper.max_trials=0: must be at least 1"),
+        (["launch.world_size=2", "hydra.sweeper.space.schedules=[fast]"], "hydra.sweeper.space.schedules: ['fast']"),
+        (["launch.world_size=2", "chip.memory_gb=0.001"], "model=gpt_tiny: no point of 2 devices fits or runs"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_nothing_launched(tmp_path, extra, line):
+    proc = run_cli([*BASE, "model=gpt_tiny", *extra], cwd=tmp_path)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and line in errors[0], proc.stderr[-2000:]
+    assert _trial_runs("sqlite:///" + str(tmp_path / "mlruns.db")) == []
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_an_auto_search_measures_reports_and_resumes(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = "sqlite:///" + str(tmp_path / "mlruns.db")
+    proc = run_cli(SMALL, cwd=tmp_path, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    parents = [r for r in search_runs(uri) if "sweep.status" in r.data.tags]
+    assert len(parents) == 1
+    parent = parents[0]
+    data = json.loads(
+        open(MlflowClient(uri).download_artifacts(parent.info.run_id, "auto_report.json", str(tmp_path))).read()
+    )
+    s = data["summary"]
+    trials = _trial_runs(uri)
+    assert 2 <= s["trials"] <= 3 == data["budget"]["max_trials"]
+    assert len(trials) == s["trials"]  # one run per measured candidate, each a real trial
+    fates = {r["fate"] for r in data["candidates"]}
+    assert fates <= {
+        "measured",
+        "pruned by a failure",
+        "not measured: predicted out of reach",
+        "not measured: budget spent",
+    } | {f for f in fates if f.startswith("failed")}
+    measured = [r for r in data["candidates"] if r["fate"] == "measured"]
+    assert len(measured) == s["trials"] and all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in measured)
+    best = min(measured, key=lambda r: r["measured_s"])
+    assert s["best"] == best["candidate"] and s["best_s"] == best["measured_s"]
+    assert "python -m orchestrator" in data["command"] and "parallel.dp=" in data["command"]
+    assert parent.data.tags["tuning.command"] == data["command"]
+    assert s["planner_mean_abs_error"] is not None
+    assert "max_trials=3" in data["stop"] or "can win" in data["stop"] or "every candidate" in data["stop"]
+
+    again = run_cli(SMALL, cwd=tmp_path, timeout=900)  # resumes: every measured point is in MLflow
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert len(_trial_runs(uri)) == len(trials)
