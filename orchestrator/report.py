@@ -21,7 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator import cli, results, tracking
+from orchestrator import auto_report, cli, results, tracking
 from orchestrator.results import Point, fmt
 
 REPORT = "tuning_report"
@@ -452,9 +452,9 @@ def from_trials(
     }
 
 
-def _stored(uri: str, run_id: str) -> Optional[Dict[str, Any]]:
+def _stored(uri: str, run_id: str, name: str = f"{REPORT}.json") -> Optional[Dict[str, Any]]:
     try:
-        return json.loads(results.artifact_text(uri, run_id, f"{REPORT}.json"))
+        return json.loads(results.artifact_text(uri, run_id, name))
     except Exception:  # noqa: BLE001 - no stored report: build it from the trials
         return None
 
@@ -481,6 +481,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         what = f"no sweep {args.sweep}" if args.sweep else "no sweep"
         return cli.no_match(f"--experiment={args.experiment}: {what} in {uri}")
     sweep_id = parent.data.tags["sweep"]
+    auto = None if args.filter else _stored(uri, parent.info.run_id, auto_report.NAME + ".json")
+    if auto is not None:  # an automatic search (+sweep=auto): its own report, rendered again
+        files = auto_report.render(auto, Path(args.out or Path("reports") / sweep_id))
+        if args.json:
+            print(json.dumps({**auto, "files": [str(f) for f in files]}, indent=1, default=str))
+        else:
+            print(files[0].read_text())
+            print(f"report: {files[0]}")
+        return cli.EXIT_OK
     # a stored (OVAT) report is the study's own record; --filter asks for the matching trials instead
     data = None if args.filter else _stored(uri, parent.info.run_id)
     if data is None:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from orchestrator import tracking
-from trainers.measure import Z95
 
 DIRECTIONS = ("minimize", "maximize")
 # objectives that are a trial's median step time, or its inverse: a run measured with
@@ -26,7 +25,7 @@ DIRECTIONS = ("minimize", "maximize")
 STEP_TIME_OBJECTIVES = ("step_time_median_s", "tokens_per_s_median")
 # two independent medians, each with relative standard error s, differ by more than DIFF_Z x s
 # by chance 5% of the time
-DIFF_Z = Z95 * math.sqrt(2)
+DIFF_Z = statistics.NormalDist().inv_cdf(0.975) * math.sqrt(2)
 
 
 def search(uri: str, experiment: str, filter_string: str = "", trials_only: bool = True) -> List[Any]:

@@ -261,6 +261,14 @@ def validate(cfg: DictConfig) -> List[str]:
         # the pipeline splits each replica's batch into parallel.microbatches itself
         if p.microbatches < lay.pp:
             err(f"parallel.microbatches={p.microbatches} is below parallel.pp={lay.pp}: the pipeline never fills")
+        if p.microbatches == lay.pp and c.overlap and rules.dp_wrapping(lay.dp, lay.tp, str(p.dp_shard)) == "ddp":
+            # measured on dp2pp2 (gpt_tiny, llama_tiny; 1F1B and GPipe): 4 microbatches run, 2 crash
+            err(
+                f"parallel.microbatches={p.microbatches} equal to parallel.pp={lay.pp} under DDP "
+                f"(parallel.dp={lay.dp}): torch's DDP reducer fails on the pipeline's first step ('rebuilt "
+                f"parameter indices size is not same as original model parameters size'); use more "
+                f"microbatches than stages, parallel.dp_shard=fsdp or comm.overlap=false"
+            )
         if not rem and per_replica % p.microbatches:
             err(
                 f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "

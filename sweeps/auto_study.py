@@ -21,7 +21,6 @@ command that reproduces the best. Re-running reuses finished trials from MLflow 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -32,7 +31,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from orchestrator import chips, results, sweep, tracking
+from orchestrator import auto_report, chips, results, sweep, tracking
 from orchestrator.planner.space import Space
 from orchestrator.validate import SCHEDULES
 from sweeps.auto import OOM, Entry, Search, summary
@@ -123,43 +122,6 @@ def _entry_row(e: Entry, chosen: Optional[Entry], stop: str) -> Dict[str, Any]:
         "reason": e.reason,
         "best": e is chosen,
     }
-
-
-def _pct(v: Optional[float]) -> str:
-    return "-" if v is None else f"{100 * v:.0f}%"
-
-
-def markdown(data: Dict[str, Any]) -> str:
-    s = data["summary"]
-    lines = [
-        f"# Automatic search: {data['model']} on {data['devices']} x {data['chip']}",
-        "",
-        f"- planned: {data['points']} points, {data['fit']} fit, in {data['plan_seconds']:.2f} s",
-        "- excluded: " + ("; ".join(f"{n} {why}" for why, n in data["excluded"].items()) or "none"),
-        f"- measured: {s['trials']} trials, {s['trial_seconds']:.0f} trial-seconds "
-        f"(budget: max_trials={data['budget']['max_trials']}, max_trial_seconds={data['budget']['max_trial_seconds']})",
-        f"- stopped: {data['stop']}",
-        f"- planner on the measured points: mean |error| {_pct(s['planner_mean_abs_error'])}, Kendall's tau "
-        f"{results.fmt(s['planner_kendall_tau'], 2)}",
-        f"- best: {s['best'] or '-'}" + (f" at {s['best_s']:.4g} s a step" if s["best_s"] else ""),
-        f"- command: `{data['command']}`" if data.get("command") else "- command: -",
-        "",
-        "| candidate | fate | predicted s | corrected s | measured s | reason |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in data["candidates"]:
-        if r["fate"].startswith("not measured"):
-            continue  # the table lists what ran or was ruled out; the rest are counted below
-        lines.append(
-            f"| {r['candidate']}{' (best)' if r['best'] else ''} | {r['fate']} | {r['predicted_s']:.4g} | "
-            f"{results.fmt(r['corrected_s'])} | {results.fmt(r['measured_s'])} | {r['reason'][:120]} |"
-        )
-    left = [r for r in data["candidates"] if r["fate"].startswith("not measured")]
-    if left:
-        lines += ["", f"{len(left)} candidate(s) {left[0]['fate']}; the next predicted: " + ", ".join(
-            f"{r['candidate']} ({results.fmt(r['corrected_s'])} s)" for r in left[:5]
-        )]  # fmt: skip
-    return "\n".join(lines) + "\n"
 
 
 def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
@@ -295,14 +257,12 @@ def _seconds(uri: str, run_ids: List[str]) -> float:
 
 
 def _report(data: Dict[str, Any], out_dir: Path, info: Dict[str, str], best_point: Any) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    md, js = out_dir / "auto_report.md", out_dir / "auto_report.json"
-    md.write_text(markdown(data))
-    js.write_text(json.dumps(data, indent=1, default=str))
+    files = auto_report.render(data, out_dir)
+    md = files[0]
     c = tracking.client(info["uri"])
     rid = info["parent_run_id"]
-    c.log_artifact(rid, str(md))
-    c.log_artifact(rid, str(js))
+    for f in files:
+        c.log_artifact(rid, str(f))
     c.set_tag(rid, "auto.stop", data["stop"][:5000])
     if best_point is not None:
         c.set_tag(rid, "tuning.final_overrides", " ".join(best_point.overrides)[:5000])
@@ -321,4 +281,4 @@ def _report(data: Dict[str, Any], out_dir: Path, info: Dict[str, str], best_poin
     log.info("auto: report %s (and on the sweep's parent run %s)", md, rid)
 
 
-__all__ = ["AutoSpec", "parse", "run_auto", "markdown", "OOM"]
+__all__ = ["AutoSpec", "parse", "run_auto", "OOM"]

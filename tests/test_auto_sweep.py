@@ -33,7 +33,7 @@ def test_a_dry_run_plans_and_launches_nothing(tmp_path):
     proc = run_cli([*BASE, "model=llama_tiny", "launch.world_size=4", "hydra.sweeper.dry_run=true"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
-    assert "auto (dry run): 164 points, 108 fit" in out, out
+    assert "auto (dry run): 164 points, 100 fit" in out, out
     assert "excluded     48  parallel.microbatches=N is below parallel.pp=N" in out
     assert "    1. dp4tp1pp1" in out and "measure: at most 12 trials in batches of 2" in out
     uri = "sqlite:///" + str(tmp_path / "mlruns.db")
@@ -90,6 +90,19 @@ def test_an_auto_search_measures_reports_and_resumes(tmp_path):
     assert parent.data.tags["tuning.command"] == data["command"]
     assert s["planner_mean_abs_error"] is not None
     assert "max_trials=3" in data["stop"] or "can win" in data["stop"] or "every candidate" in data["stop"]
+
+    # orchestrator.report renders the stored report again, with the predicted-versus-measured plot
+    from orchestrator import best as best_mod
+    from orchestrator import report
+
+    out = tmp_path / "report"
+    sweep_id = parent.data.tags["sweep"]
+    assert report.main(["--tracking-uri", uri, "--sweep", sweep_id, "--out", str(out)]) == 0
+    assert "# Automatic search: gpt_tiny on 2 x cpu" in (out / "auto_report.md").read_text()
+    assert (out / "auto_report_predicted_vs_measured.png").is_file()
+    # and orchestrator.best picks from its trials: the fastest measured is the search's best
+    ranked = best_mod.rank(uri, "orchestrator", "step_time_median_s")
+    assert ranked["candidates"][0]["value"] == pytest.approx(s["best_s"])
 
     again = run_cli(SMALL, cwd=tmp_path, timeout=900)  # resumes: every measured point is in MLflow
     assert again.returncode == 0, again.stderr[-4000:]
