@@ -32,9 +32,10 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from orchestrator import auto_report, chips, results, sweep, tracking
-from orchestrator.planner.space import Space
+from orchestrator.planner.search import base_config
+from orchestrator.planner.space import Space, candidate_config
 from orchestrator.validate import SCHEDULES
-from sweeps.auto import OOM, Entry, Search, summary
+from sweeps.auto import OOM, Entry, Search, ratio_refit, summary
 from sweeps.ovat import PREFIX, Runner, Study, _fail_study
 
 log = logging.getLogger("orchestrator")
@@ -187,8 +188,11 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
     top = runner.point(OrderedDict((k, _value(v)) for k, v in res.plans[0].candidate.values(devices, dpn).items()))
     if top.status not in ("pending", tracking.STATUS_OK):
         _fail_study([f"launch.world_size={devices}: the planner's best point cannot launch here: {top.reason}"], info)
+    base, _ = base_config(cfg)
+    configs = {p.candidate: candidate_config(base, devices, p.candidate) for p in res.plans}
     search = Search.of(
         [(p.candidate, p.step.step_time_s) for p in res.plans],
+        refit=calibrated_refit(configs, base.planner),
         batch=batch,
         threshold=auto.min_speedup,
         max_trials=auto.max_trials,
@@ -237,6 +241,28 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
     _report(data, Path(str(sweeper.config.hydra.sweep.dir)), info, best_point)
     log.info("auto: %s; best %s (%s)", stop, best.name if best else "-", command or "nothing finished")
     return runner.returns
+
+
+def calibrated_refit(configs: Dict[Any, DictConfig], planner_cfg: DictConfig, min_error: float = 0.05):
+    """A refit for :class:`sweeps.auto.Search`: the planner's factors fitted to the measured
+    points (``orchestrator.planner.calibrate``, the host terms where the points tell them), so
+    the correction can differ by layout, not only scale; its error the largest ``|log(measured /
+    predicted)|`` of each measured point predicted by a fit to the others. With fewer than two
+    points, the ratio refit's scale and an unknown error."""
+    from orchestrator import planner
+
+    def refit(measured):
+        if len(measured) < 2:
+            return ratio_refit(measured, min_error)
+        trials = [planner.MeasuredTrial(str(i), configs[e.candidate], e.measured_s) for i, e in enumerate(measured)]
+        cal = planner.calibrate(trials, planner_cfg, fit_host=True)
+        loo = []
+        for i, t in enumerate(trials):
+            rest = planner.calibrate(trials[:i] + trials[i + 1 :], planner_cfg, fit_host=True)
+            loo.append(abs(math.log(t.step_time_s / planner.predict(rest, t.cfg))))
+        return (lambda e: planner.predict(cal, configs[e.candidate])), max(max(loo), min_error)
+
+    return refit
 
 
 def _value(v: Any) -> str:
