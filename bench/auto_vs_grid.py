@@ -21,31 +21,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def cli(args, cwd, log):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("MLFLOW_TRACKING_URI", None)
-    t0 = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=env, capture_output=True, text=True
-    )
-    wall = time.perf_counter() - t0
-    Path(log).write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        sys.exit(f"failed ({proc.returncode}): python -m orchestrator {' '.join(args)}; see {log}")
-    return wall
+from ovat_vs_grid import cli  # noqa: E402  (bench/ is this script's folder on sys.path)
 
 
 def report(uri: str, experiment: str) -> dict:

@@ -483,13 +483,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sweep_id = parent.data.tags["sweep"]
     auto = None if args.filter else _stored(uri, parent.info.run_id, auto_report.NAME + ".json")
     if auto is not None:  # an automatic search (+sweep=auto): its own report, rendered again
-        files = auto_report.render(auto, Path(args.out or Path("reports") / sweep_id))
-        if args.json:
-            print(json.dumps({**auto, "files": [str(f) for f in files]}, indent=1, default=str))
-        else:
-            print(files[0].read_text())
-            print(f"report: {files[0]}")
-        return cli.EXIT_OK
+        return _emit(auto, auto_report.render(auto, Path(args.out or Path("reports") / sweep_id)), args.json)
     # a stored (OVAT) report is the study's own record; --filter asks for the matching trials instead
     data = None if args.filter else _stored(uri, parent.info.run_id)
     if data is None:
@@ -510,7 +504,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     files = render(data, out)
     if args.log:
         attach(uri, parent.info.run_id, files, data)
-    if args.json:
+    return _emit(data, files, args.json)
+
+
+def _emit(data: Dict[str, Any], files: List[Path], as_json: bool) -> int:
+    """Print a rendered report: its JSON and files, or its markdown and where it was written."""
+    if as_json:
         print(json.dumps({**data, "files": [str(f) for f in files]}, indent=1, default=str))
     else:
         print(files[0].read_text())

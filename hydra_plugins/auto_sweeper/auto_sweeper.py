@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from hydra.plugins.sweeper import Sweeper
+
+from hydra_plugins.ovat_sweeper.ovat_sweeper import OvatSweeper
 
 
 @dataclass
@@ -39,20 +40,8 @@ class AutoSweeperConf:
 ConfigStore.instance().store(group="hydra/sweeper", name="auto", node=AutoSweeperConf, provider="chip-orchestrator")
 
 
-class AutoSweeper(Sweeper):
-    def __init__(self, **spec: Any) -> None:
-        self.spec = spec
-        self.config: Optional[Any] = None
-        self.hydra_context: Optional[Any] = None
-        self.launcher: Optional[Any] = None
-
-    def setup(self, *, hydra_context: Any, task_function: Any, config: Any) -> None:
-        from hydra.core.plugins import Plugins
-
-        self.config, self.hydra_context = config, hydra_context
-        self.launcher = Plugins.instance().instantiate_launcher(
-            hydra_context=hydra_context, task_function=task_function, config=config
-        )
+class AutoSweeper(OvatSweeper):
+    """The OVAT sweeper's set-up (the configured launcher), the automatic search's sweep."""
 
     def sweep(self, arguments: List[str]) -> Any:
         from sweeps.auto_study import run_auto
