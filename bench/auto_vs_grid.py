@@ -74,7 +74,8 @@ def main() -> None:
         f"hydra.sweeper.space.sequence_parallel=[{args.space_sequence_parallel}]",
         f"hydra.sweeper.space.dp_shard=[{args.space_dp_shard}]",
     ]
-    search = ["+sweep=auto", *base, *space]
+    # the layout search alone on both sides: stage 3 (polish) is not part of the grid
+    search = ["+sweep=auto", *base, *space, "hydra.sweeper.polish_repeats=0"]
     grid_wall = cli(
         [*search, "tracking.experiment=grid", "hydra.sweeper.exhaustive=true", "hydra.sweeper.max_trials=1000"],
         work,

@@ -28,6 +28,9 @@ def markdown(data: Dict[str, Any]) -> str:
         f"- measured: {s['trials']} trials, {s['trial_seconds']:.0f} trial-seconds "
         f"(budget: max_trials={data['budget']['max_trials']}, max_trial_seconds={data['budget']['max_trial_seconds']})",
         f"- stopped: {data['stop']}",
+        f"- device-hours: {s.get('device_hours', 0.0):.3g} (budget: max_device_hours="
+        f"{data['budget'].get('max_device_hours')}); planned memory corrected by out-of-memory trials: "
+        f"x {s.get('memory_scale', 1.0):.2f}",
         f"- planner on the measured points: mean |error| {_pct(s['planner_mean_abs_error'])}, Kendall's tau "
         f"{results.fmt(s['planner_kendall_tau'], 2)}",
         f"- best: {s['best'] or '-'}" + (f" at {s['best_s']:.4g} s a step" if s["best_s"] else ""),
@@ -43,12 +46,34 @@ def markdown(data: Dict[str, Any]) -> str:
             f"| {r['candidate']}{' (best)' if r['best'] else ''} | {r['fate']} | {r['predicted_s']:.4g} | "
             f"{results.fmt(r['corrected_s'])} | {results.fmt(r['measured_s'])} | {r['reason'][:120]} |"
         )
+    lines += polish_lines(data.get("polish"))
     left = [r for r in data["candidates"] if r["fate"].startswith("not measured")]
     if left:
         lines += ["", f"{len(left)} candidate(s) {left[0]['fate']}; the next predicted: " + ", ".join(
             f"{r['candidate']} ({results.fmt(r['corrected_s'])} s)" for r in left[:5]
         )]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def polish_lines(p: Optional[Dict[str, Any]]) -> List[str]:
+    """Stage 3's section: what one variable at a time from the winner changed."""
+    if not p:
+        return []
+    if not p["ran"]:
+        return ["", f"Polish: not run, {p['why_not']}."]
+    t = p["trials"]
+    lines = [
+        "",
+        f"Polish from the winner, one variable at a time ({', '.join(v['key'] for v in p['variables'])}): "
+        f"S={results.fmt(p['s_total'], 3)} over the winner, {results.fmt(p['objective'])} s a step; "
+        f"{t.get('launched', 0)} trial(s) launched, {t.get('trial_seconds', 0.0):.0f} trial-seconds; "
+        f"a win needs S >= {p['threshold']:.3f}",
+        "",
+    ]
+    lines += [f"- helped: {h}" for h in p["helped"]] or ["- helped: nothing (the winner stays as it was)"]
+    lines += [f"- did not help: {h}" for h in p["did_not_help"]]
+    lines += [f"- skipped: {h}" for h in p["skipped"]]
+    return lines
 
 
 def plot(data: Dict[str, Any], path: Path) -> bool:

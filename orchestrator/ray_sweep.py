@@ -166,6 +166,19 @@ def cluster_settings(settings: Mapping[str, Any], config: Any) -> Tuple[Dict[str
     return ray_cfg, init
 
 
+def cluster_devices(config: Any, chip: Any) -> Tuple[int, str]:
+    """The devices of ``chip``'s Ray resource on the cluster a sweep under this launcher runs on
+    (``config``: the sweep's config, with its ``hydra`` section; ``chip``: the resolved chip
+    section), and that resource's name. A local cluster is started for it and kept for the
+    multirun, as :func:`launch_jobs` keeps it."""
+    from orchestrator.ray_trial import Placement, live_totals
+
+    ray_cfg, init = cluster_settings(config.hydra.launcher, config)
+    resource = Placement.of(chip, config.launch.ray, 1).resource
+    with cluster(ray_cfg, keep=True, init=init):
+        return int(sum(int(t) for t in live_totals(resource))), resource
+
+
 def job_options(settings: Mapping[str, Any], config: Any) -> Dict[str, Any]:
     """The Ray task options of each job from ``hydra.launcher.job_resources``: this application's
     jobs hold no CPU unless told (their trials' workers hold the devices), another app's one."""

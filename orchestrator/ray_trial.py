@@ -248,7 +248,7 @@ def worker_env(runtime_env: Dict[str, Any], prefixes: Sequence[str]) -> Dict[str
     return {k: v for k, v in env.items() if not k.endswith("_VISIBLE_DEVICES") and k not in NODE_OWN}
 
 
-def _live_totals(resource: str) -> List[float]:
+def live_totals(resource: str) -> List[float]:
     """Each live node's total of ``resource``, as :meth:`Placement.units` takes them."""
     import ray
 
@@ -341,7 +341,7 @@ def launch_trial(
         strategy = "STRICT_PACK" if placement.nodes == 1 else "PACK"
         timeout_s = float(math.ceil(float(rt.timeout_s)))
         for attempt in range(max_failures + 1):
-            units = placement.units(world_size, _live_totals(placement.resource))
+            units = placement.units(world_size, live_totals(placement.resource))
             config = {
                 "spec": spec,
                 "reporter": workers_reporter,
@@ -385,7 +385,7 @@ def launch_trial(
             if attempt == max_failures:
                 raise TrialFailed(status, reason)
             try:
-                placement.units(world_size, _live_totals(placement.resource))
+                placement.units(world_size, live_totals(placement.resource))
             except TrialFailed as no_room:
                 raise TrialFailed(status, f"{reason}; not restarted: {no_room.reason}") from None
             log.warning("trial attempt %d ended %s (%s): restarting", attempt, status, reason)

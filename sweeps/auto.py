@@ -15,12 +15,16 @@ on planted timings (``tests/test_auto_search.py``).
   the measured trials) passes it as ``refit``.
 - **Stop**: when no unmeasured candidate, credited with that error (its corrected prediction
   divided by ``exp(error)``), would beat the best measured by the win threshold; or when a
-  budget is spent (``max_trials``, ``max_trial_seconds``).
+  budget is spent (``max_trials``, ``max_trial_seconds``, ``max_device_hours``: trial-seconds
+  times the devices each trial holds).
 - **Failure pruning**: a candidate that ran out of memory rules out every candidate of the same
   layout, schedule and stages that needs at least as much memory: a micro-batch as large or
   larger (under a pipeline, only while both fill it: GPipe keeps the whole replica batch whatever
   the split), no more recompute (checkpointing off where it was off), no more sharding (DDP where
-  it was FSDP, no sequence parallelism where it had none). Any other failure rules out that
+  it was FSDP, no sequence parallelism where it had none). It also corrects the memory model: the
+  planner gave that candidate ``planned_gb`` and it needed more than the device's ``memory_gb``, so
+  every planned figure is scaled by at least ``memory_gb / planned_gb`` and each candidate whose
+  scaled plan no longer fits is pruned, whatever its layout. Any other failure rules out that
   candidate alone.
 """
 
@@ -47,6 +51,7 @@ class Entry:
     trial_s: float = 0.0  # seconds the trial cost
     reason: str = ""
     corrected_s: Optional[float] = None  # the prediction after the last refit
+    planned_gb: Optional[float] = None  # the planner's memory of the most loaded rank (GiB)
 
     @property
     def name(self) -> str:
@@ -101,15 +106,22 @@ class Search:
     threshold: float = 1.03  # a candidate must be predicted this much faster than the best measured
     max_trials: int = 0  # 0: no limit
     max_trial_seconds: float = 0.0  # 0: no limit
+    max_device_hours: float = 0.0  # 0: no limit; trial-seconds x ``devices`` / 3600
+    devices: int = 1  # the devices each trial holds
+    memory_gb: float = 0.0  # what a device holds (GiB); 0: no memory correction from an OOM
+    memory_scale: float = 1.0  # the planner's memory corrected by the OOMs seen: x this at least
     refit: Refit = ratio_refit
     exhaustive: bool = False  # measure every candidate (a grid over the planned space), budgets aside
     error: float = float("inf")  # the planner's error as |log ratio|, from the last refit
     log: List[str] = field(default_factory=list)
 
     @classmethod
-    def of(cls, ranked: Sequence[Tuple[Candidate, float]], **kw) -> "Search":
-        """From (candidate, predicted step time) pairs, e.g. ``plan_space(...).plans``."""
-        return cls([Entry(c, float(t)) for c, t in ranked], **kw)
+    def of(cls, ranked: Sequence[Tuple[Candidate, float]], planned_gb: Optional[Sequence[float]] = None,
+           **kw) -> "Search":  # fmt: skip
+        """From (candidate, predicted step time) pairs, e.g. ``plan_space(...).plans``, and the
+        memory planned for each (GiB of the most loaded rank) where it is known."""
+        gb = list(planned_gb) if planned_gb is not None else [None] * len(ranked)
+        return cls([Entry(c, float(t), planned_gb=g) for (c, t), g in zip(ranked, gb)], **kw)
 
     # --- what is known -----------------------------------------------------------------------
 
@@ -129,6 +141,9 @@ class Search:
     def trial_seconds(self) -> float:
         return sum(e.trial_s for e in self.entries)
 
+    def device_hours(self) -> float:
+        return self.trial_seconds() * self.devices / 3600.0
+
     # --- the decisions -----------------------------------------------------------------------
 
     def _rank(self) -> List[Entry]:
@@ -142,6 +157,8 @@ class Search:
             return f"budget: {self.trials()} trials of max_trials={self.max_trials}"
         if self.max_trial_seconds and self.trial_seconds() >= self.max_trial_seconds:
             return f"budget: {self.trial_seconds():.0f} trial-seconds of max_trial_seconds={self.max_trial_seconds:g}"
+        if self.max_device_hours and self.device_hours() >= self.max_device_hours:
+            return f"budget: {self.device_hours():.3g} device-hours of max_device_hours={self.max_device_hours:g}"
         best = self.best()
         if self.exhaustive or best is None or not math.isfinite(self.error):
             return None  # a grid; or nothing to compare with, or the planner's error not yet known
@@ -173,11 +190,34 @@ class Search:
             entry.status, entry.measured_s = "finished", float(measured_s)
             return
         entry.status, entry.reason = status, reason
-        implied = [e for e in self.pending() if implied_by_oom(entry.candidate, e.candidate)] if status == OOM else []
+        if status != OOM:
+            return
+        implied = [e for e in self.pending() if implied_by_oom(entry.candidate, e.candidate)]
         for e in implied:
             e.status, e.reason = "pruned", f"implied by {entry.name}: out of memory with less"
         if implied:
             self.log.append(f"{entry.name} ran out of memory: {len(implied)} candidate(s) that need more pruned")
+        if self.memory_gb and entry.planned_gb:
+            self._correct_memory(entry)
+
+    def _correct_memory(self, failed: Entry) -> None:
+        """``failed`` needed more than ``memory_gb`` where ``planned_gb`` was planned: scale the
+        planner's memory by at least that much and prune what no longer fits."""
+        self.memory_scale = max(self.memory_scale, self.memory_gb / failed.planned_gb)
+        over = [e for e in self.pending() if e.planned_gb and e.planned_gb * self.memory_scale >= self.memory_gb]
+        for e in over:
+            e.status, e.reason = (
+                "pruned",
+                (
+                    f"memory corrected by {failed.name}'s out of memory (planned x {self.memory_scale:.2f}): "
+                    f"{e.planned_gb * self.memory_scale:.1f} GiB >= the device's {self.memory_gb:g}"
+                ),
+            )
+        self.log.append(
+            f"memory model corrected by {failed.name} (planned {failed.planned_gb:.1f} GiB, more than "
+            f"{self.memory_gb:g} needed): planned memory x {self.memory_scale:.2f}; "
+            f"{len(over)} more candidate(s) pruned"
+        )
 
     def update(self) -> None:
         """Refit on what was measured, re-rank what is left."""
@@ -226,6 +266,8 @@ def summary(search: Search) -> Dict[str, object]:
         "candidates": len(search.entries),
         "trials": search.trials(),
         "trial_seconds": search.trial_seconds(),
+        "device_hours": search.device_hours(),
+        "memory_scale": search.memory_scale,
         "pruned": sum(1 for e in search.entries if e.status == "pruned"),
         "best": best.name if best else None,
         "best_s": best.measured_s if best else None,

@@ -10,7 +10,16 @@ the measured best layout, with nothing listed by hand.
    configured launcher (each a timing trial, tracked in MLflow like any other), the ranking
    corrected by what was measured after each batch, until no unmeasured candidate credited with
    the planner's measured error can win, or the budget is spent (``sweeps/auto.py``: the rules,
-   tested on planted timings). A trial that runs out of memory prunes what needs more.
+   tested on planted timings). A trial that runs out of memory prunes what needs more and
+   corrects the planner's memory by what it needed.
+3. **Polish**: one variable at a time from the winner over ``hydra.sweeper.polish`` (buckets,
+   buffers, compression, precision) with the OVAT engine (``sweeps/auto_polish.py``). The budgets
+   bound stage 2; stage 3 adds at most one trial per value listed beyond the winner's own, per
+   repeat (the dry run prints the count).
+
+Without ``launch.world_size``, under the Ray launcher, the search spans the Ray cluster's devices
+of the chip's resource; with it, a cluster that cannot hold that many is refused before anything
+runs.
 
 Every candidate's fate is in the report (``auto_report.md`` / ``.json`` in the sweep directory and
 on the sweep's parent run): measured (predicted and measured side by side), failed, pruned by a
@@ -35,6 +44,7 @@ from orchestrator import auto_report, chips, results, sweep, tracking
 from orchestrator.planner.search import base_config
 from orchestrator.planner.space import Space, candidate_config
 from orchestrator.validate import SCHEDULES
+from sweeps import auto_polish as polish
 from sweeps.auto import OOM, Entry, Search, ratio_refit, summary
 from sweeps.ovat import PREFIX, Runner, Study, _fail_study
 
@@ -49,10 +59,13 @@ class AutoSpec:
     min_speedup: float = 1.03
     max_trials: int = 12
     max_trial_seconds: Optional[float] = None
+    max_device_hours: Optional[float] = None
     dry_run: bool = False
     exhaustive: bool = False
     shortlist: int = 10
     space: Space = Space()
+    polish: Optional[Dict[str, Any]] = None
+    polish_repeats: int = 1
 
 
 def parse(spec: Dict[str, Any]) -> AutoSpec:
@@ -77,6 +90,13 @@ def parse(spec: Dict[str, Any]) -> AutoSpec:
     out.shortlist = number("shortlist", int, 1)
     if spec.get("max_trial_seconds") is not None:
         out.max_trial_seconds = number("max_trial_seconds", float, 0.0, strict=True)
+    if spec.get("max_device_hours") is not None:
+        out.max_device_hours = number("max_device_hours", float, 0.0, strict=True)
+    out.polish_repeats = number("polish_repeats", int, 0)
+    # a key set to null or [] is not polished (Hydra merges a dict override into the preset's)
+    out.polish = {k: v for k, v in dict(spec.get("polish") or {}).items() if v not in (None, [])}
+    if out.polish_repeats == 0:
+        out.polish = {}
     out.dry_run = bool(spec.get("dry_run", False))
     out.exhaustive = bool(spec.get("exhaustive", False))
     space = dict(spec.get("space") or {})  # its keys are the sweeper schema's (AutoSpaceConf)
@@ -138,9 +158,7 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
         _fail_study(err.errors, info)
     cfg = _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, list(arguments)))
     chips.resolve(cfg)
-    devices = int(cfg.launch.world_size)
-    if devices <= 0:
-        _fail_study(["launch.world_size: give the number of devices to search over (launch.world_size=N)"], info)
+    devices = _devices(sweeper, cfg, auto, info)
     t0 = time.perf_counter()
     res = plan_space(cfg, devices, auto.space)
     plan_s = time.perf_counter() - t0
@@ -164,6 +182,10 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
     # a batch: the trials the nodes hold at once (the Ray launcher runs them side by side, the
     # basic one in turn), at least two so each refit has something new
     batch = auto.batch or max(2, max(1, int(cfg.launch.nnodes)) * dpn // devices)
+    bad = polish.check(lambda o: _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, o)),
+                       list(arguments), auto.polish)  # fmt: skip
+    if bad:
+        _fail_study(bad, info)
     if auto.dry_run:
         n = min(auto.max_trials, res.fit)
         guess = sum(p.step.step_time_s for p in res.plans[:n]) * float(cfg.trainer.steps)
@@ -176,6 +198,10 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
             f"measure: at most {n} trials in batches of {batch}, about {guess:.0f} s of training steps "
             f"({cfg.trainer.steps} steps each at the predicted step times, launches not counted)"
         )
+        if auto.polish:
+            most = sum(len(v) for v in auto.polish.values()) * auto.polish_repeats
+            print(f"polish from the winner, one at a time, at most {most} trials: "
+                  + ", ".join(f"{k}={v}" for k, v in auto.polish.items()))  # fmt: skip
         if info is not None:
             sweep.discard(info)
         return []
@@ -192,6 +218,10 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
     configs = {p.candidate: candidate_config(base, devices, p.candidate) for p in res.plans}
     search = Search.of(
         [(p.candidate, p.step.step_time_s) for p in res.plans],
+        planned_gb=[p.memory.total / 2**30 for p in res.plans],
+        memory_gb=float(cfg.chip.memory_gb),
+        devices=devices,
+        max_device_hours=auto.max_device_hours or 0.0,
         refit=calibrated_refit(configs, base.planner),
         batch=batch,
         threshold=auto.min_speedup,
@@ -222,6 +252,16 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
     best = search.best()
     best_point = points.get(id(best)) if best else None
     command = results.command(best_point.overrides) if best_point else None
+    sweep_dir = Path(str(sweeper.config.hydra.sweep.dir))
+    polished, why_not = None, ""
+    if best_point is None:
+        why_not = "no candidate finished"
+    else:
+        polished = polish.run(sweeper, info, list(best_point.overrides), auto.polish, auto.polish_repeats,
+                              auto.min_speedup, sweep_dir)  # fmt: skip
+    final_overrides = polished["final"]["overrides"] if polished else (best_point.overrides if best_point else None)
+    if polished:
+        command = polished["final"]["command"]
     data = {
         "model": str(cfg.model.name),
         "chip": str(cfg.chip.name),
@@ -236,11 +276,40 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
         "summary": summary(search),
         "candidates": [_entry_row(e, best, stop) for e in search.entries],
         "command": command,
+        "final_overrides": final_overrides,
+        "polish": polish.summary(polished, why_not),
         "wall_seconds": time.perf_counter() - t1,
     }
-    _report(data, Path(str(sweeper.config.hydra.sweep.dir)), info, best_point)
+    _report(data, sweep_dir, info)
     log.info("auto: %s; best %s (%s)", stop, best.name if best else "-", command or "nothing finished")
     return runner.returns
+
+
+def _devices(sweeper: Any, cfg: DictConfig, auto: AutoSpec, info: Any) -> int:
+    """The devices to search over: ``launch.world_size``, else the Ray cluster's (under the Ray
+    launcher); a world size the cluster cannot hold is refused (a dry run plans any size)."""
+    from orchestrator import ray_sweep
+
+    devices = int(cfg.launch.world_size)
+    on_ray = ray_sweep.is_ray_job(sweeper.config.hydra)
+    if devices <= 0 and not on_ray:
+        _fail_study(
+            ["launch.world_size: give the number of devices to search over (launch.world_size=N), or search "
+             "a Ray cluster's devices with hydra/launcher=ray"], info)  # fmt: skip
+    if not on_ray or (auto.dry_run and devices > 0):
+        return devices
+    try:
+        have, resource = ray_sweep.cluster_devices(sweeper.config, cfg.chip)
+    except ConnectionError as err:
+        _fail_study([f"launch.ray.address: {err}"], info)
+    if devices <= 0:
+        if have <= 0:
+            _fail_study([f"launch.world_size: the Ray cluster has no {resource} resource to search over"], info)
+        log.info("auto: launch.world_size from the Ray cluster: %d %s", have, resource)
+        return have
+    if have < devices:
+        _fail_study([f"launch.world_size={devices}: the Ray cluster has {have} {resource}"], info)
+    return devices
 
 
 def calibrated_refit(configs: Dict[Any, DictConfig], planner_cfg: DictConfig, min_error: float = 0.05):
@@ -282,7 +351,7 @@ def _seconds(uri: str, run_ids: List[str]) -> float:
     return total
 
 
-def _report(data: Dict[str, Any], out_dir: Path, info: Dict[str, str], best_point: Any) -> None:
+def _report(data: Dict[str, Any], out_dir: Path, info: Dict[str, str]) -> None:
     files = auto_report.render(data, out_dir)
     md = files[0]
     c = tracking.client(info["uri"])
@@ -290,8 +359,8 @@ def _report(data: Dict[str, Any], out_dir: Path, info: Dict[str, str], best_poin
     for f in files:
         c.log_artifact(rid, str(f))
     c.set_tag(rid, "auto.stop", data["stop"][:5000])
-    if best_point is not None:
-        c.set_tag(rid, "tuning.final_overrides", " ".join(best_point.overrides)[:5000])
+    if data["final_overrides"]:
+        c.set_tag(rid, "tuning.final_overrides", " ".join(data["final_overrides"])[:5000])
         c.set_tag(rid, "tuning.command", (data["command"] or "")[:5000])
     s = data["summary"]
     metrics = {

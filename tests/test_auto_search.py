@@ -180,3 +180,35 @@ def test_candidates_come_from_the_planner(compose_cfg):
     assert len(batch) == 4 and len({e.candidate.layout for e in s.entries}) >= 4
     assert [e.predicted_s for e in batch] == sorted(e.predicted_s for e in batch)
     assert batch[0].predicted_s == res.plans[0].step.step_time_s
+
+
+def test_a_device_hours_budget_counts_the_devices_each_trial_holds():
+    ranked, truth = planted(8)
+    # 32 devices x 10 trial-seconds a trial = 0.0889 device-hours a trial: 0.2 allows three
+    s = Search.of(ranked, batch=1, max_device_hours=0.2, devices=32, threshold=1e-6)
+    stop = s.run(measure_with(s, truth, cost=10.0))
+    assert s.trials() == 3 and stop.startswith("budget:") and "device-hours" in stop
+    assert summary(s)["device_hours"] == pytest.approx(3 * 10 * 32 / 3600)
+
+
+def test_an_oom_corrects_the_memory_model_across_layouts():
+    """A point planned at 50 GiB that ran out of a 64 GiB device: the planner's memory is at least
+    1.28x short, so every candidate planned at 50 GiB or more goes, whatever its layout, and one
+    planned at 40 GiB (51 GiB corrected) stays."""
+    failed = cand(dp=2, tp=2, mb=2)
+    other_big = cand(dp=1, tp=4, mb=1)  # another layout: not implied structurally
+    other_small = cand(dp=4, tp=1, mb=1)
+    s = Search.of([(failed, 1.0), (other_big, 1.1), (other_small, 1.2)], planned_gb=[50.0, 52.0, 40.0], memory_gb=64.0)
+    assert not implied_by_oom(failed, other_big)
+    s.record(s.entries[0], None, status=OOM, reason="out of memory")
+    assert s.memory_scale == pytest.approx(64.0 / 50.0)
+    assert {e.name: e.status for e in s.entries} == {
+        failed.name: OOM,
+        other_big.name: "pruned",
+        other_small.name: "pending",
+    }
+    assert "memory corrected" in s.entries[1].reason and any("memory model corrected" in x for x in s.log)
+    # without the device's memory (or the plan's), an OOM prunes only what it implies
+    s2 = Search.of([(failed, 1.0), (other_big, 1.1)], planned_gb=[50.0, 52.0])
+    s2.record(s2.entries[0], None, status=OOM)
+    assert s2.entries[1].status == "pending" and s2.memory_scale == 1.0

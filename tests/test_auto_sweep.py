@@ -22,6 +22,9 @@ SMALL = [
     "hydra.sweeper.space.activation_checkpointing=[false]",
     "hydra.sweeper.space.sequence_parallel=[false]",
     "hydra.sweeper.max_trials=3",
+    # stage 3 narrowed to one variable that acts on any winner (one more trial: bf16 against fp32)
+    "hydra.sweeper.polish={precision:[bf16],comm.bucket_mb:null,comm.buffsize_mb:null,comm.overlap:null,"
+    "comm.compression:null}",
 ]
 
 
@@ -36,6 +39,7 @@ def test_a_dry_run_plans_and_launches_nothing(tmp_path):
     assert "auto (dry run): 164 points, 100 fit" in out, out
     assert "excluded     48  parallel.microbatches=N is below parallel.pp=N" in out
     assert "    1. dp4tp1pp1" in out and "measure: at most 12 trials in batches of 2" in out
+    assert "polish from the winner, one at a time, at most 10 trials" in out
     uri = "sqlite:///" + str(tmp_path / "mlruns.db")
     assert _trial_runs(uri) == []  # nothing launched, nothing recorded
 
@@ -47,6 +51,8 @@ def test_a_dry_run_plans_and_launches_nothing(tmp_path):
         (["launch.world_size=2", "hydra.sweeper.max_trials=0"], "hydra.sweeper.max_trials=0: must be at least 1"),
         (["launch.world_size=2", "hydra.sweeper.space.schedules=[fast]"], "hydra.sweeper.space.schedules: ['fast']"),
         (["launch.world_size=2", "chip.memory_gb=0.001"], "model=gpt_tiny: no point of 2 devices fits or runs"),
+        (["launch.world_size=2", "hydra.sweeper.polish={comm.bucket_mb:[big]}"], "hydra.sweeper.polish.comm.bucket_mb"),
+        (["launch.world_size=2", "hydra.sweeper.max_device_hours=0"], "hydra.sweeper.max_device_hours=0.0: must be above"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_nothing_launched(tmp_path, extra, line):
@@ -54,6 +60,20 @@ def test_bad_input_is_one_line_exit_2_and_nothing_launched(tmp_path, extra, line
     assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
     assert len(errors) == 1 and line in errors[0], proc.stderr[-2000:]
+    assert _trial_runs("sqlite:///" + str(tmp_path / "mlruns.db")) == []
+
+
+@pytest.mark.distributed
+def test_the_ray_cluster_gives_the_world_size_or_refuses_one_it_cannot_hold(tmp_path):
+    ray = ["model=gpt_tiny", "hydra/launcher=ray", "launch.ray.num_cpus=4", "launch.ray.dashboard=false"]
+    proc = run_cli([*BASE, *ray, "hydra.sweeper.dry_run=true"], cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "auto: launch.world_size from the Ray cluster: 4 CPU" in proc.stdout + proc.stderr
+    assert "auto (dry run):" in proc.stdout and "on 4 x cpu" in proc.stdout + proc.stderr
+    big = run_cli([*BASE, *ray, "launch.world_size=8"], cwd=tmp_path, timeout=300)
+    assert big.returncode == 2, (big.stdout[-2000:], big.stderr[-2000:])
+    errors = [x for x in big.stderr.splitlines() if x.startswith("error:")]
+    assert errors == ["error: launch.world_size=8: the Ray cluster has 4 CPU"], big.stderr[-2000:]
     assert _trial_runs("sqlite:///" + str(tmp_path / "mlruns.db")) == []
 
 
@@ -72,7 +92,7 @@ def test_an_auto_search_measures_reports_and_resumes(tmp_path):
         open(MlflowClient(uri).download_artifacts(parent.info.run_id, "auto_report.json", str(tmp_path))).read()
     )
     s = data["summary"]
-    trials = _trial_runs(uri)
+    trials = [r for r in _trial_runs(uri) if r.data.params.get("precision.name") != "bf16"]
     assert 2 <= s["trials"] <= 3 == data["budget"]["max_trials"]
     assert len(trials) == s["trials"]  # one run per measured candidate, each a real trial
     fates = {r["fate"] for r in data["candidates"]}
@@ -88,6 +108,11 @@ def test_an_auto_search_measures_reports_and_resumes(tmp_path):
     assert s["best"] == best["candidate"] and s["best_s"] == best["measured_s"]
     assert "python -m orchestrator" in data["command"] and "parallel.dp=" in data["command"]
     assert parent.data.tags["tuning.command"] == data["command"]
+    # stage 3 ran from the winner: its baseline is the winner's trial (reused), bf16 one more trial
+    p = data["polish"]
+    assert p["ran"] and [v["key"] for v in p["variables"]] == ["precision"], p
+    assert p["variables"][0]["values"] == ["fp32", "bf16"] and p["trials"]["launched"] == 1
+    assert p["trials"]["reused"] >= 1 and p["command"] == data["command"]
     assert s["planner_mean_abs_error"] is not None
     assert "max_trials=3" in data["stop"] or "can win" in data["stop"] or "every candidate" in data["stop"]
 
@@ -98,12 +123,15 @@ def test_an_auto_search_measures_reports_and_resumes(tmp_path):
     out = tmp_path / "report"
     sweep_id = parent.data.tags["sweep"]
     assert report.main(["--tracking-uri", uri, "--sweep", sweep_id, "--out", str(out)]) == 0
-    assert "# Automatic search: gpt_tiny on 2 x cpu" in (out / "auto_report.md").read_text()
+    md = (out / "auto_report.md").read_text()
+    assert "# Automatic search: gpt_tiny on 2 x cpu" in md and "Polish from the winner" in md
     assert (out / "auto_report_predicted_vs_measured.png").is_file()
     # and orchestrator.best picks from its trials: the fastest measured is the search's best
     ranked = best_mod.rank(uri, "orchestrator", "step_time_median_s")
-    assert ranked["candidates"][0]["value"] == pytest.approx(s["best_s"])
+    fastest = min(s["best_s"], *[r["objective"] for r in json.load(open(p["files"][1]))["rows"] if r["objective"]]) \
+        if p.get("files") else s["best_s"]
+    assert ranked["candidates"][0]["value"] == pytest.approx(fastest)
 
     again = run_cli(SMALL, cwd=tmp_path, timeout=900)  # resumes: every measured point is in MLflow
     assert again.returncode == 0, again.stderr[-4000:]
-    assert len(_trial_runs(uri)) == len(trials)
+    assert len(_trial_runs(uri)) == len(trials) + 1  # the search's and the polish's bf16 trial

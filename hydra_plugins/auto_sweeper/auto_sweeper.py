@@ -3,7 +3,7 @@ devices, measure the few that can win, in the planner's order, until none left c
 this module at start-up, so it imports nothing heavy; the study is in ``sweeps.auto_study``."""
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -28,6 +28,7 @@ class AutoSweeperConf:
     min_speedup: float = 1.03  # an unmeasured point must be predicted this much faster to be tried
     max_trials: int = 12  # budget: trials launched (at least 1)
     max_trial_seconds: Optional[float] = None  # budget: summed trial wall time, seconds (None: none)
+    max_device_hours: Optional[float] = None  # budget: trial wall time x launch.world_size, hours (None: none)
     dry_run: bool = False  # plan, print the shortlist and the measuring cost, launch nothing
     # measure every planned point, fastest predicted first, without the early stop (a grid over the
     # planned space, to judge the search and the planner by; the budgets still hold)
@@ -35,6 +36,11 @@ class AutoSweeperConf:
     shortlist: int = 10  # planned points logged (and printed by a dry run)
     # narrow the space, e.g. hydra.sweeper.space.schedules=[1f1b,zbv]
     space: AutoSpaceConf = field(default_factory=AutoSpaceConf)
+    # stage 3: one variable at a time from the winner (override key -> values; the winner's own
+    # value is the baseline), with the OVAT engine, after the budgets (which bound stage 2). A key
+    # set to null or [] is left out (a dict override merges into the preset's)
+    polish: Dict[str, Any] = field(default_factory=dict)
+    polish_repeats: int = 1  # repeats a polish point (the winner's search trial is its first); 0: no polish
 
 
 ConfigStore.instance().store(group="hydra/sweeper", name="auto", node=AutoSweeperConf, provider="chip-orchestrator")
