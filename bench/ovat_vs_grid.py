@@ -1,7 +1,7 @@
 """One-variable-at-a-time (with pruning) against the full grid over the same values.
 
-    python bench/ovat_vs_grid.py [--steps 12] [--repeats 2] [--remeasure 3] [--measure fixed|adaptive]
-                                 [--keep DIR]
+    python bench/ovat_vs_grid.py [--steps 12] [--repeats 2 [1 ...]] [--runs 1] [--remeasure 3]
+                                 [--measure fixed|adaptive] [--keep DIR]
 
 The study (gpt_tiny on the CPU, ``trainer=smoke``, global batch 8): ``trainer.micro_batch`` 1,
 2, 4, 8, 16 (16 exceeds the global batch: infeasible; 8 with dp=2 too), ``precision`` fp32, bf16,
@@ -10,7 +10,8 @@ value of each is the baseline. Both searches run as a user runs them, ``python -
 basic launcher, each in its own MLflow experiment of one store:
 
 - grid: the basic sweeper, every combination once (the infeasible ones are recorded, not run);
-- ovat: ``hydra/sweeper=ovat`` with ``--repeats`` per point, ``resume=false``.
+- ovat: ``hydra/sweeper=ovat`` with ``--repeats`` per point, ``resume=false``; ``--runs`` studies
+  for each repeats value given, each in its own experiment (the grid runs once).
 
 ``--measure`` is ``trainer.measure`` in both searches alike (``adaptive``: a trial stops once its
 median step time is known, README "Trials that stop when the step time is known"). Figures:
@@ -18,7 +19,8 @@ trials launched, trial-seconds (the sum of the trials' run durations in MLflow, 
 device time each search spent) and the search's wall time; the best config each found and its
 objective as measured inside the search. Then the two winners are measured again side by side
 (``--remeasure`` interleaved runs each, medians), so the comparison of what they found does not
-hinge on one lucky sample.
+hinge on one lucky sample; a study's winner is *within noise* of the grid's when it is the same
+config or its remeasured median is within the spread of the grid winner's own remeasured runs.
 """
 
 from __future__ import annotations
@@ -68,10 +70,15 @@ def trial_seconds(uri, experiment):
     return len(launched), len(runs) - len(launched), results.run_seconds(launched)
 
 
+def winner_label(overrides):
+    return " ".join(o for o in overrides if o.split("=")[0] in dict(VARIABLES))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--repeats", type=int, default=2, help="OVAT repeats per point")
+    ap.add_argument("--repeats", type=int, nargs="+", default=[2], help="OVAT repeats per point (several: each)")
+    ap.add_argument("--runs", type=int, default=1, help="OVAT studies per repeats value (the grid runs once)")
     ap.add_argument("--remeasure", type=int, default=3, help="side-by-side runs of each winner")
     ap.add_argument("--measure", choices=("fixed", "adaptive"), default="fixed", help="trainer.measure, both searches")
     ap.add_argument("--keep", help="work in this folder (default: a temporary one)")
@@ -86,78 +93,85 @@ def main():
     base.append(f"trainer.measure={args.measure}")
     sweep_args = [f"{k}={v}" for k, v in VARIABLES]
 
-    grid_wall = cli(["-m", *base, "tracking.experiment=grid", *sweep_args], work, work / "grid.log")
-    ovat_wall = cli(
-        [
-            "-m",
-            "hydra/sweeper=ovat",
-            *base,
-            "tracking.experiment=ovat",
-            f"hydra.sweeper.repeats={args.repeats}",
-            "hydra.sweeper.resume=false",
-            *sweep_args,
-        ],
-        work,
-        work / "ovat.log",
-    )
+    walls = {"grid": cli(["-m", *base, "tracking.experiment=grid", *sweep_args], work, work / "grid.log")}
+    studies = [(f"ovat_r{r}_{i + 1}", r) for r in args.repeats for i in range(args.runs)]
+    for name, repeats in studies:
+        walls[name] = cli(
+            [
+                "-m",
+                "hydra/sweeper=ovat",
+                *base,
+                f"tracking.experiment={name}",
+                f"hydra.sweeper.repeats={repeats}",
+                "hydra.sweeper.resume=false",
+                *sweep_args,
+            ],
+            work,
+            work / f"{name}.log",
+        )
 
     ranked = best.rank(uri, "grid", OBJECTIVE)
     grid_best = best.describe(uri, OBJECTIVE, "minimize", ranked["candidates"][0], "grid")
-    parent = report_mod.find_parent(uri, "ovat", None)
-    report = json.loads(results.artifact_text(uri, parent.info.run_id, "tuning_report.json"))
-    final = report["final"]
+    reports = {}
+    for name, _ in studies:
+        parent = report_mod.find_parent(uri, name, None)
+        reports[name] = json.loads(results.artifact_text(uri, parent.info.run_id, "tuning_report.json"))
 
-    def label(overrides):
-        return " ".join(o for o in overrides if o.split("=")[0] in dict(VARIABLES))
-
-    # the two winners again, side by side: interleaved runs, medians
-    winners = {"grid": grid_best["overrides"], "ovat": [*base, *(f"{k}={v}" for k, v in final["assignment"].items())]}
+    # every distinct winner again, side by side: interleaved runs, medians
+    winners = {winner_label(grid_best["overrides"]): grid_best["overrides"]}
+    for name, _ in studies:
+        final = reports[name]["final"]
+        overrides = [*base, *(f"{k}={v}" for k, v in final["assignment"].items())]
+        winners.setdefault(winner_label(overrides), overrides)
     measured = {k: [] for k in winners}
     for i in range(args.remeasure):
-        for name, overrides in winners.items():
+        for j, (label, overrides) in enumerate(winners.items()):
             plain = [o for o in overrides if not o.startswith("tracking.experiment=")]
-            cli([*plain, "tracking.experiment=remeasure"], work, work / f"remeasure_{name}_{i}.log")
+            cli([*plain, "tracking.experiment=remeasure"], work, work / f"remeasure_{j}_{i}.log")
             newest = results.search(uri, "remeasure")[0]
-            measured[name].append(newest.data.metrics[OBJECTIVE])
+            measured[label].append(newest.data.metrics[OBJECTIVE])
+    grid_label = winner_label(grid_best["overrides"])
+    g_med = statistics.median(measured[grid_label])
+    # one config's run-to-run noise: the spread of the grid winner's own remeasured runs
+    noise = (max(measured[grid_label]) - min(measured[grid_label])) / g_med
 
-    rows = []
-    for name, experiment, wall in (("grid", "grid", grid_wall), ("ovat", "ovat", ovat_wall)):
-        launched, pruned, secs = trial_seconds(uri, experiment)
-        found = grid_best if name == "grid" else {"value": final["objective"], "overrides": winners["ovat"]}
-        rows.append(
-            (
-                name,
-                launched,
-                pruned,
-                secs,
-                wall,
-                found["value"],
-                statistics.median(measured[name]),
-                label(found["overrides"]),
-            )
-        )
     print(
         f"gpt_tiny on the CPU, {args.steps} steps a trial; variables: "
         + "; ".join(f"{k}={v}" for k, v in VARIABLES)
-        + f"; OVAT repeats {args.repeats}; trainer.measure={args.measure}"
+        + f"; OVAT repeats {' and '.join(map(str, args.repeats))}, {args.runs} run(s) each; "
+        f"trainer.measure={args.measure}"
     )
     print(
-        f"{'search':6}  {'trials':>6}  {'pruned':>6}  {'trial-s':>8}  {'wall-s':>7}  {'best in search':>14}  "
-        f"{'remeasured':>10}  best config"
+        f"{'search':10}  {'trials':>6}  {'pruned':>6}  {'trial-s':>8}  {'wall-s':>7}  {'best in search':>14}  "
+        f"{'remeasured':>10}  {'x grid':>6}  {'within noise':>12}  best config"
     )
-    for name, launched, pruned, secs, wall, found, again, cfg in rows:
+    g_launched, g_pruned, g_secs = trial_seconds(uri, "grid")
+    print(
+        f"{'grid':10}  {g_launched:>6}  {g_pruned:>6}  {g_secs:>8.1f}  {walls['grid']:>7.1f}  "
+        f"{grid_best['value']:>14.5f}  {g_med:>10.5f}  {1.0:>6.3f}  {'-':>12}  {grid_label}"
+    )
+    held = {r: 0 for r in args.repeats}
+    for name, repeats in studies:
+        launched, pruned, secs = trial_seconds(uri, name)
+        final = reports[name]["final"]
+        label = winner_label([*base, *(f"{k}={v}" for k, v in final["assignment"].items())])
+        again = statistics.median(measured[label])
+        ok = label == grid_label or again <= g_med * (1.0 + noise)
+        held[repeats] += ok
         print(
-            f"{name:6}  {launched:>6}  {pruned:>6}  {secs:>8.1f}  {wall:>7.1f}  {found:>14.5f}  {again:>10.5f}  {cfg}"
+            f"{name:10}  {launched:>6}  {pruned:>6}  {secs:>8.1f}  {walls[name]:>7.1f}  {final['objective']:>14.5f}  "
+            f"{again:>10.5f}  {again / g_med:>6.3f}  {'yes' if ok else 'no':>12}  {label}"
         )
-    g, o = rows
+        print(f"{'':10}  {secs / g_secs:.2f}x the grid's trial-seconds; decisions: " + "; ".join(
+            f"{r['variable']}={r['value']}: {r['decision'].split(' (')[0]}" for r in reports[name]["rows"][1:]
+            if r["status"] != "infeasible"
+        ))  # fmt: skip
     print(
-        f"OVAT spent {o[3] / g[3]:.2f}x the grid's trial-seconds; its winner's remeasured step time is "
-        f"{o[6] / g[6]:.3f}x the grid winner's (median of {args.remeasure} interleaved runs each)"
+        f"within noise: the same config as the grid's winner, or a remeasured median at most {1 + noise:.3f}x its "
+        f"(the spread of its own {args.remeasure} remeasured runs); medians of {args.remeasure} interleaved runs each"
     )
-    print(
-        "OVAT decisions: "
-        + "; ".join(f"{r['variable']}={r['value']}: {r['decision'].split(' (')[0]}" for r in report["rows"][1:])
-    )
+    for r in args.repeats:
+        print(f"repeats {r}: {held[r]} of {args.runs} OVAT run(s) reached the grid's best within noise")
     print(f"work folder: {work}")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,7 @@ class RankModel:
         self.wrapping = rules.dp_wrapping(p.dp, p.tp, p.dp_shard)
         self.sync = comm_mod.GradSyncStats()
         self.comm_stats: Optional[comm_mod.CommStats] = None
+        self.comm_states: List[Any] = []  # each DDP module's compression state (a checkpoint keeps it)
         # DDP without overlap: plain modules, gradients all-reduced after the backward
         self.reduce_after_backward = self.wrapping == "ddp" and not self.comm.overlap
         self.wrapped: List[torch.nn.Module] = [self._wrap(m) for m in self.modules]
@@ -99,7 +100,7 @@ class RankModel:
                 bucket_cap_mb=float(self.comm.bucket_mb),
                 device_ids=[self.device.index] if self.device.type in ("cuda", "npu") else None,
             )
-            stats = comm_mod.register(
+            stats, state = comm_mod.register(
                 ddp,
                 self.comm.compression,
                 self.mesh.group("dp"),
@@ -108,6 +109,7 @@ class RankModel:
                 powersgd_rank=int(self.comm.powersgd_rank),
             )
             self.comm_stats = stats or self.comm_stats
+            self.comm_states.append(state)
             return ddp
         return m
 

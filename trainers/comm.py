@@ -10,10 +10,16 @@ carries the rest to the next step (error feedback, Stich et al. 2018; Lin et al.
 Gradient Compression"). Safe range for ``comm.topk_ratio``: 0.01 to 0.3. Below 0.01 the residual
 grows for many steps before it is sent and the loss lags dense training; above ~0.3 an
 all-gather of values and indices moves more bytes than the dense all-reduce it replaces.
+
+What a compression carries from step to step (top-k's residuals, PowerSGD's error feedback, warm
+start and iteration count) is part of a checkpoint (:func:`state_dict`, :func:`load_state_dict`),
+so a resumed compressed trial continues as the uninterrupted one. Top-k keeps its residual per
+parameter, not per bucket, so DDP's rebuilding of its buckets after the first step (in order of
+gradient readiness) cannot hand one tensor's residual to another.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,7 +60,8 @@ class _State:
     stats: CommStats
     ratio: float = 0.1
     dtype: torch.dtype = torch.float16
-    residuals: Dict[int, torch.Tensor] = field(default_factory=dict)
+    names: Dict[int, str] = field(default_factory=dict)  # id(parameter) -> its name in the module
+    residuals: Dict[str, torch.Tensor] = field(default_factory=dict)  # top-k: parameter name -> residual
 
 
 def _done(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -89,18 +96,23 @@ def _topk_hook(state: _State, bucket: dist.GradBucket) -> torch.futures.Future[t
     still get their share), keep the top ``ratio`` of |gradient + residual|; all-gather the kept
     values and their int32 indices; the rest stays in the residual for the next step."""
     buf = bucket.buffer()
-    acc = buf + state.residuals.get(bucket.index(), 0)
-    picks, offset = [], 0
-    for g in bucket.gradients():
+    acc = buf.clone()
+    names = [state.names[id(p)] for p in bucket.parameters()]
+    picks, spans, offset = [], [], 0
+    for name, g in zip(names, bucket.gradients()):
         n = g.numel()
+        if name in state.residuals:
+            acc[offset : offset + n] += state.residuals[name]
         k = max(1, int(state.ratio * n))
         picks.append(acc[offset : offset + n].abs().topk(k, sorted=False).indices + offset)
+        spans.append((name, offset, n))
         offset += n
     idx = torch.cat(picks)
     vals = acc[idx]
     residual = acc.clone()
     residual[idx] = 0
-    state.residuals[bucket.index()] = residual
+    for name, start, n in spans:
+        state.residuals[name] = residual[start : start + n]
     idx32 = idx.to(torch.int32)
     all_vals = [torch.empty_like(vals) for _ in range(state.world)]
     all_idx = [torch.empty_like(idx32) for _ in range(state.world)]
@@ -125,21 +137,25 @@ def _counted(hook, sync: GradSyncStats):
 
 def register(
     ddp, compression: str, group, sync: GradSyncStats, *, topk_ratio: float = 0.1, powersgd_rank: int = 4
-) -> Optional[CommStats]:
+) -> Tuple[Optional[CommStats], Any]:
     """Install the communication hook for ``compression`` on a DDP module (``none``: DDP's plain
-    all-reduce, averaged over the group); returns the byte counters of a compressed one."""
+    all-reduce, averaged over the group); returns the byte counters of a compressed one and the
+    hook's state (what :func:`state_dict` saves)."""
     world = dist.get_world_size(group)
     stats = CommStats()
     if compression == "none":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         ddp.register_comm_hook(group, _counted(allreduce_hook, sync))
-        return None
+        return None, None
     if compression in ("fp16", "bf16"):
         dtype = torch.float16 if compression == "fp16" else torch.bfloat16
-        ddp.register_comm_hook(_State(group, world, stats, dtype=dtype), _counted(_cast_hook, sync))
+        state: Any = _State(group, world, stats, dtype=dtype)
+        ddp.register_comm_hook(state, _counted(_cast_hook, sync))
     elif compression == "topk":
-        ddp.register_comm_hook(_State(group, world, stats, ratio=topk_ratio), _counted(_topk_hook, sync))
+        names = {id(p): n for n, p in ddp.module.named_parameters()}
+        state = _State(group, world, stats, ratio=topk_ratio, names=names)
+        ddp.register_comm_hook(state, _counted(_topk_hook, sync))
     elif compression == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -150,11 +166,41 @@ def register(
             use_error_feedback=True,
             warm_start=True,
         )
-        ddp.register_comm_hook(state, _counted(psgd.powerSGD_hook, sync))
-        return None  # PowerSGD's own volume depends on its per-tensor rank decisions: not counted
+        from trainers.powersgd_keyed import KeyedPowerSGD
+
+        keyed = KeyedPowerSGD(state, list(ddp.module.named_parameters()))
+        ddp.register_comm_hook(state, _counted(keyed, sync))
+        return None, keyed  # PowerSGD's own volume depends on its per-tensor rank decisions: not counted
     else:
         raise ValueError(f"unknown gradient compression {compression!r}")
-    return stats
+    return stats, state
+
+
+def _to(obj: Any, device: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to(device, copy=True)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def state_dict(state: Any) -> Optional[Dict[str, Any]]:
+    """What a compression hook's ``state`` carries between steps, on the host (None: nothing):
+    top-k's residuals; PowerSGD's per-parameter error feedback and warm-start Qs, its iteration
+    and random generator (:class:`trainers.powersgd_keyed.KeyedPowerSGD`)."""
+    if isinstance(state, _State):
+        return {"residuals": _to(state.residuals, "cpu")} if state.residuals else None
+    return None if state is None else state.state_dict()
+
+
+def load_state_dict(state: Any, saved: Optional[Dict[str, Any]], device: Any) -> None:
+    """Put back what :func:`state_dict` saved into a hook's fresh ``state``."""
+    if not saved or state is None:
+        return
+    if isinstance(state, _State):
+        state.residuals = _to(saved["residuals"], device)
+        return
+    state.load_state_dict(saved, device)
 
 
 def buckets(params: Iterable[torch.nn.Parameter], bucket_mb: float) -> List[List[torch.nn.Parameter]]:
@@ -194,3 +240,19 @@ def allreduce_after_backward(
             n = p.grad.numel()
             p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
             offset += n
+
+
+def saved(states: List[Any], rank: int, world: int) -> Dict[str, Any]:
+    """A rank's compression states for its checkpoint's extra file, with whose they are."""
+    return {"comm": {"rank": rank, "world": world, "states": [state_dict(s) for s in states]}}
+
+
+def restore(states: List[Any], extra: Dict[str, Any], rank: int, world: int, device: Any) -> None:
+    """Put a checkpoint's compression states back, when they are this rank's of the same world:
+    each rank's residuals are its own gradients' (another rank's file, or a checkpoint of another
+    world size, starts the error feedback afresh, as a new layout must)."""
+    comm = extra.get("comm")
+    if not comm or comm["rank"] != rank or comm["world"] != world or len(comm["states"]) != len(states):
+        return
+    for state, saved_state in zip(states, comm["states"]):
+        load_state_dict(state, saved_state, device)

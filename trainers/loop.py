@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainers import checkpoint as ckpt
+from trainers import comm as comm_mod
 from trainers import data as data_mod
 from trainers import faults, measure, rules
 from trainers import optim as optim_mod
@@ -92,6 +93,7 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
         start_step, path = found
         extra = ckpt.load(path, model.modules, optims)
         scaler.load_state_dict(extra["scaler"])
+        comm_mod.restore(model.comm_states, extra, rank, world, device)
     split = rules.batch_split(targs.global_batch, p.dp, p.pp, targs.micro_batch, p.microbatches)
     # the pipeline schedule cuts the replica's batch into its microbatches itself
     micro = split.per_replica if p.pp > 1 else split.size
@@ -221,7 +223,8 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
             if measured and not flushed:
                 flush()
         if due:
-            path = ckpt.save(targs.checkpoint_dir, done, model.modules, optims, {"scaler": scaler.state_dict()})
+            extra = {"scaler": scaler.state_dict(), **comm_mod.saved(model.comm_states, rank, world)}
+            path = ckpt.save(targs.checkpoint_dir, done, model.modules, optims, extra)
             if rank == 0:
                 reporter.checkpoint(done, str(path))
         if measured:
