@@ -28,6 +28,36 @@ SMALL = [
 ]
 
 
+def interrupted_after_first_trial(args, cwd, uri, timeout=600.0):
+    """Start ``python -m orchestrator ARGS``, SIGTERM it once a trial has finished in the store;
+    returns the trial runs it left."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import cli_env
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=cli_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < timeout and proc.poll() is None:
+            time.sleep(1.0)
+            if (cwd / "mlruns.db").exists() and any(
+                r.data.tags.get("trial.status") == "finished" for r in _trial_runs(uri)
+            ):
+                proc.send_signal(signal.SIGTERM)
+                break
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return _trial_runs(uri)
+
+
 def _trial_runs(uri):
     return [r for r in search_runs(uri) if "sweep.status" not in r.data.tags]
 
@@ -52,7 +82,10 @@ def test_a_dry_run_plans_and_launches_nothing(tmp_path):
         (["launch.world_size=2", "hydra.sweeper.space.schedules=[fast]"], "hydra.sweeper.space.schedules: ['fast']"),
         (["launch.world_size=2", "chip.memory_gb=0.001"], "model=gpt_tiny: no point of 2 devices fits or runs"),
         (["launch.world_size=2", "hydra.sweeper.polish={comm.bucket_mb:[big]}"], "hydra.sweeper.polish.comm.bucket_mb"),
-        (["launch.world_size=2", "hydra.sweeper.max_device_hours=0"], "hydra.sweeper.max_device_hours=0.0: must be above"),
+        (
+            ["launch.world_size=2", "hydra.sweeper.max_device_hours=0"],
+            "hydra.sweeper.max_device_hours=0.0: must be above",
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_nothing_launched(tmp_path, extra, line):
@@ -83,16 +116,23 @@ def test_an_auto_search_measures_reports_and_resumes(tmp_path):
     from mlflow.tracking import MlflowClient
 
     uri = "sqlite:///" + str(tmp_path / "mlruns.db")
-    proc = run_cli(SMALL, cwd=tmp_path, timeout=900)
+    # interrupted (SIGTERM, as a scheduler stops a job) once its first trial has finished
+    cut = interrupted_after_first_trial(SMALL, tmp_path, uri)
+    first_done = {r.data.tags["trial.config_hash"] for r in cut if r.data.tags.get("trial.status") == "finished"}
+    assert first_done, [r.data.tags.get("trial.status") for r in cut]
+    proc = run_cli(SMALL, cwd=tmp_path, timeout=900)  # resumes: what finished is not run again
     assert proc.returncode == 0, proc.stderr[-4000:]
-    parents = [r for r in search_runs(uri) if "sweep.status" in r.data.tags]
+    parents = [r for r in search_runs(uri) if r.data.tags.get("sweep.status") == "finished"]
     assert len(parents) == 1
     parent = parents[0]
     data = json.loads(
         open(MlflowClient(uri).download_artifacts(parent.info.run_id, "auto_report.json", str(tmp_path))).read()
     )
     s = data["summary"]
-    trials = [r for r in _trial_runs(uri) if r.data.params.get("precision.name") != "bf16"]
+    finished = [r for r in _trial_runs(uri) if r.data.tags.get("trial.status") == "finished"]
+    hashes = [r.data.tags["trial.config_hash"] for r in finished]
+    assert len(hashes) == len(set(hashes))  # nothing that finished before the interrupt ran again
+    trials = [r for r in finished if r.data.params.get("precision.name") != "bf16"]
     assert 2 <= s["trials"] <= 3 == data["budget"]["max_trials"]
     assert len(trials) == s["trials"]  # one run per measured candidate, each a real trial
     fates = {r["fate"] for r in data["candidates"]}
@@ -128,10 +168,14 @@ def test_an_auto_search_measures_reports_and_resumes(tmp_path):
     assert (out / "auto_report_predicted_vs_measured.png").is_file()
     # and orchestrator.best picks from its trials: the fastest measured is the search's best
     ranked = best_mod.rank(uri, "orchestrator", "step_time_median_s")
-    fastest = min(s["best_s"], *[r["objective"] for r in json.load(open(p["files"][1]))["rows"] if r["objective"]]) \
-        if p.get("files") else s["best_s"]
+    fastest = (
+        min(s["best_s"], *[r["objective"] for r in json.load(open(p["files"][1]))["rows"] if r["objective"]])
+        if p.get("files")
+        else s["best_s"]
+    )
     assert ranked["candidates"][0]["value"] == pytest.approx(fastest)
 
     again = run_cli(SMALL, cwd=tmp_path, timeout=900)  # resumes: every measured point is in MLflow
     assert again.returncode == 0, again.stderr[-4000:]
-    assert len(_trial_runs(uri)) == len(trials) + 1  # the search's and the polish's bf16 trial
+    now = [r for r in _trial_runs(uri) if r.data.tags.get("trial.status") == "finished"]
+    assert len(now) == len(finished)  # the search's and the polish's trials, none run again
