@@ -211,7 +211,6 @@ def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> RuntimeCo
         torch_plugin=None if chip.emulate else chip.torch_plugin,
         env=env,
         timeout_s=timeout_s,
-        emulated=bool(chip.emulate),
         # MFU against the emulated chip's peak would be meaningless on a CPU: leave it unknown,
         # and so would a generic preset's placeholder peak: unknown, not wrong
         peak_flops=0.0 if chip.emulate or not chip.get("peak_known", True) else peak * 1e12,

@@ -126,7 +126,7 @@ def no_match(line: str, details: Sequence[str] = ()) -> int:
 def store_error(uri: str, flag: str = "--tracking-uri") -> Optional[str]:
     """Why ``uri`` names no store to read: a sqlite file that does not exist (reading it would
     create an empty one); None otherwise."""
-    from orchestrator.tracking import sqlite_file
+    from orchestrator.mlflow_store import sqlite_file
 
     path = sqlite_file(uri)
     if path is not None and not path.is_file():

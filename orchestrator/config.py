@@ -34,8 +34,10 @@ class ChipConfig:
     # false for a generic preset (a device no preset names): MFU is recorded as unknown, and
     # peak_tflops are placeholders for the planner's step time only
     peak_known: bool = True
-    intra_node_gbps: float = 0.0  # per device, GB/s, one direction
-    inter_node_gbps: float = 0.0  # per device, GB/s, one direction
+    # planner-only (assumptions of its step time, never of a run): link bandwidth per device,
+    # GB/s, one direction, inside a node and across nodes (orchestrator/planner/step_time.py)
+    intra_node_gbps: float = 0.0
+    inter_node_gbps: float = 0.0
     dtypes: List[str] = field(default_factory=lambda: ["fp32"])
     unsupported_ops: List[str] = field(default_factory=list)
     decompositions: Dict[str, str] = field(default_factory=dict)
@@ -143,8 +145,6 @@ class PlannerConfig:
     # workers beyond the cores time-share them (planner/step_time.py)
     host_cores: int = 0
     dp_overlap: float = 0.8  # fraction of DP gradient traffic hidden behind backward (comm.overlap)
-    grad_accum_fp32: bool = False  # fp32 gradient buffers for 16-bit params (Megatron's main_grad)
-    ddp_bucket_view: bool = False  # DDP gradient_as_bucket_view; False: buckets copy every gradient
     # channels an NCCL communicator opens (NCCL picks 2-32 by topology; 16 is typical of NVLink
     # nodes): its buffers scale with them. Measure with bench/comm_memory.py and override
     nccl_channels: int = 16

@@ -5,7 +5,7 @@ A tracking URI that only the driver's node can reach (the default ``sqlite:///``
 ``file:`` store, any path) is therefore written by the driver's node alone: the trial's
 reporter becomes a Ray actor pinned to the node that launched the trial, and rank 0 gets a
 :class:`RelayReporter` that hands it each batch of rows, each table and each artifact's bytes.
-The actor writes them with the trial's own :class:`orchestrator.tracking.MlflowReporter`, so
+The actor writes them with the trial's own :class:`orchestrator.mlflow_reporter.MlflowReporter`, so
 batching, the one-value-per-step rule after a restart and the checkpoint tags are the same on
 every path. A tracking server (``http(s)://``, ``databricks``) is reachable from every node:
 rank 0 logs to it directly, as on one node.
@@ -67,7 +67,7 @@ class RelayReporter:
     """Rank 0's reporter when the store is on the driver's node: every call goes to the relay
     actor and waits for it, so a record is in the relay's journal and delivery queue when the call
     returns (a checkpoint's tag before the next step); ``finish`` waits for the queue to reach the
-    store (see :class:`orchestrator.tracking.MlflowReporter`). Picklable (an actor handle)."""
+    store (see :class:`orchestrator.mlflow_reporter.MlflowReporter`). Picklable (an actor handle)."""
 
     def __init__(self, actor: Any):
         self.actor = actor

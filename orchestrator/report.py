@@ -21,7 +21,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator import auto_report, cli, results, tracking
+from orchestrator import auto_report, cli, mlflow_ui, results, tracking
 from orchestrator.results import Point, fmt
 
 REPORT = "tuning_report"
@@ -233,7 +233,7 @@ def artifact_links(md: str, run_id: str, plots: List[str], base: Optional[str]) 
     scheme as the text ``[alt](url)``, and its URL filter drops ``data:`` sources: a sibling link
     (what the local copy has) or a relative one shows no picture there. The link used is the
     absolute URL the UI's own image view fetches an artifact from,
-    ``BASE/get-artifact?path=...&run_uuid=...``, BASE the UI's root (:func:`tracking.ui_base`: the
+    ``BASE/get-artifact?path=...&run_uuid=...``, BASE the UI's root (:func:`mlflow_ui.ui_base`: the
     tracking server, or ``mlflow ui``'s default address for a local store). With no UI address (a
     Databricks workspace) the markdown keeps the artifact's path, ``plots/NAME``."""
     from urllib.parse import quote
@@ -256,7 +256,7 @@ def attach(uri: str, run_id: str, files: List[Path], data: Dict[str, Any]) -> No
     plots = [f.name for f in files if f.suffix == ".png"]
     for f in files:
         if f.suffix == ".md":
-            c.log_text(run_id, artifact_links(f.read_text(), run_id, plots, tracking.ui_base(uri)), f.name)
+            c.log_text(run_id, artifact_links(f.read_text(), run_id, plots, mlflow_ui.ui_base(uri)), f.name)
         elif f.suffix == ".png" and f.name in figures:
             draw, *args = figures[f.name]
             fig = draw(*args)

@@ -46,7 +46,7 @@ from typing import Any, Dict, Iterator, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from orchestrator import tracking
+from orchestrator import mlflow_store, mlflow_ui, tracking
 
 log = logging.getLogger("orchestrator")
 ENV = "ORCHESTRATOR_SWEEP"  # the job's sweep, as JSON: id, parent run id, tracking uri, experiment
@@ -160,7 +160,7 @@ def start_sweep(config: DictConfig) -> Dict[str, str]:
     """Create the sweep's parent run; returns what its jobs need to know of it."""
     from mlflow.entities import Param
 
-    uri = tracking.check_store(config.tracking)
+    uri = mlflow_store.check_store(config.tracking)
     experiment = str(config.tracking.experiment)
     exp = tracking.experiment_id(uri, experiment, config.tracking.artifact_location)
     sweep_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -246,12 +246,12 @@ def end_sweep(sweep: Dict[str, Any], status: str = "finished", reason: str = "")
         c.log_batch(parent, tags=[RunTag(k, v) for k, v in tags.items()])
         c.set_terminated(parent, RUN_STATUS[status])
 
-    tracking.retrying(_end, f"sweep {sweep['id']}: its end")
+    mlflow_store.retrying(_end, f"sweep {sweep['id']}: its end")
     if status == "finished":
         log.info(line)
     else:
         log.warning("%s; %s: %s", line, status, reason)
-    tracking.show_ui(sweep["uri"], parent, sweep["experiment_id"])
+    mlflow_ui.show_ui(sweep["uri"], parent, sweep["experiment_id"])
 
 
 def _last_line(err: BaseException) -> str:
@@ -273,7 +273,7 @@ class SweepCallback(Callback):
         if config.tracking.enabled:
             try:
                 self.sweep = start_sweep(config)
-            except tracking.StoreUnreachable as err:
+            except mlflow_store.StoreUnreachable as err:
                 # Hydra turns a callback's exception into a warning and launches the jobs anyway:
                 # stop as a broken config stops (one error line, exit code 2, nothing launched)
                 print(f"error: {err}", file=sys.stderr)

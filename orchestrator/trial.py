@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import chips, planner, ray_trial, sweep, tracking
+from orchestrator import chips, mlflow_reporter, mlflow_store, mlflow_ui, planner, ray_trial, sweep, tracking
 from orchestrator.launch import TrialFailed, launch_local, start_workers_early, trial_nodes
 from orchestrator.ray_trial import BoardSlot, Placement
 from orchestrator.validate import Layout, cluster_errors, layout, validate
@@ -120,7 +120,7 @@ def record_infeasible(
     ``lay``: its layout when already worked out. None (a warning) when the store cannot be used."""
     tags = trial_tags(cfg, lay) if not OmegaConf.is_missing(cfg.chip, "name") else {}
     tags.update(sweep.child_tags(cfg.tracking))
-    why = tracking.store_problem(tracking.resolve_uri(cfg.tracking))
+    why = mlflow_store.store_problem(tracking.resolve_uri(cfg.tracking))
     if why:  # nowhere to record it: say so instead of waiting on the store
         log.warning("not recorded (%s: %s): %s", tracking.resolve_uri(cfg.tracking), why, "; ".join(errors))
         return None
@@ -187,7 +187,7 @@ def check(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def _journal(run_id: str) -> str:
-    """Where rank 0's reporter journals its records (``orchestrator.tracking.MlflowReporter``):
+    """Where rank 0's reporter journals its records (``orchestrator.mlflow_reporter.MlflowReporter``):
     next to the trial's output, the job's Hydra output folder (else the working directory)."""
     try:
         from hydra.core.hydra_config import HydraConfig
@@ -221,7 +221,7 @@ class Trial:
     overrides: List[str]
     result: Dict[str, Any]
     spec: Optional[TrialSpec] = None
-    reporter: Optional[tracking.MlflowReporter] = None
+    reporter: Optional[mlflow_reporter.MlflowReporter] = None
 
     @property
     def cfg(self) -> DictConfig:
@@ -248,8 +248,8 @@ def start(
     resolved = resolve(cfg, launcher)
     if cfg.tracking.enabled:
         try:
-            tracking.check_store(cfg.tracking)
-        except tracking.StoreUnreachable as err:
+            mlflow_store.check_store(cfg.tracking)
+        except mlflow_store.StoreUnreachable as err:
             raise ConfigError([str(err)]) from None
     if resolved.path == "local":  # its workers' imports go on beside the preflight and the run's creation
         start_workers_early(resolved.launch_section())
@@ -269,7 +269,9 @@ def start(
     if cfg.tracking.enabled:
         uri, run_id = tracking.start_run(cfg, overrides, {**trial_tags(cfg, lay), **sweep.child_tags(cfg.tracking)})
         result["run_id"] = run_id
-        reporter = tracking.MlflowReporter(uri, run_id, int(cfg.trainer.steps), progress, journal=_journal(run_id))
+        reporter = mlflow_reporter.MlflowReporter(
+            uri, run_id, int(cfg.trainer.steps), progress, journal=_journal(run_id)
+        )
         tracking.log_metrics(uri, run_id, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "world_size": lay.world_size})
         _log_preflight(uri, run_id, report)
     if cfg.trainer.checkpoint_every > 0:
@@ -330,19 +332,19 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
     return result
 
 
-def _undelivered(reporter: tracking.MlflowReporter, deliver: bool = False) -> Dict[str, str]:
+def _undelivered(reporter: mlflow_reporter.MlflowReporter, deliver: bool = False) -> Dict[str, str]:
     """Records rank 0 left in its journal (its process died, or the store stayed away past its
     wait): delivered now when ``deliver``; what is still left is tagged on the run."""
     journal = reporter.journal
     if not journal or not Path(journal).exists():
         return {}
-    if deliver and tracking.deliver_journal(journal):
+    if deliver and mlflow_reporter.deliver_journal(journal):
         return {}
     log.warning("run %s: records the store has not got are kept in %s", reporter.run_id, journal)
     return {tracking.UNDELIVERED_TAG: journal}
 
 
-def _log_memory_check(reporter: Optional[tracking.MlflowReporter], result: Dict[str, Any]) -> None:
+def _log_memory_check(reporter: Optional[mlflow_reporter.MlflowReporter], result: Dict[str, Any]) -> None:
     """The planner's memory per rank against what the allocator really reserved on the fullest
     rank (not the allocated figure, which leaves out the allocator's slack): ``mem_plan_ratio``
     = planned / reserved, above 1 when the plan is conservative."""
@@ -353,7 +355,7 @@ def _log_memory_check(reporter: Optional[tracking.MlflowReporter], result: Dict[
     result["summary"]["mem_plan_ratio"] = planned / reserved
     if reporter is not None:
         try:
-            tracking.retrying(
+            mlflow_store.retrying(
                 lambda: tracking.log_metrics(reporter.uri, reporter.run_id, {"mem_plan_ratio": planned / reserved}),
                 f"run {reporter.run_id}: mem_plan_ratio",
             )
@@ -385,5 +387,5 @@ def run(
     trial = start(cfg, overrides, progress, launcher)
     result = trial.result if trial.spec is None else finish(trial, launch_path(trial.resolved, slot))
     if result.get("run_id") and sweep.current() is None:  # where to look; a sweep says it once, at its end
-        tracking.show_ui(tracking.resolve_uri(cfg.tracking), result["run_id"])
+        mlflow_ui.show_ui(tracking.resolve_uri(cfg.tracking), result["run_id"])
     return result

@@ -34,7 +34,6 @@ CHOICES = {
     "model.pos_emb": ("learned", "rope"),
     "model.attn_impl": ("fused", "decomposed", "npu_fused"),
     "data.name": ("stdlib", "memmap", "synthetic"),
-    "trainer.optimizer": ("adamw",),
     "trainer.measure": ("fixed", "adaptive"),
     "launch.start_method": ("spawn", "forkserver", "fork"),
     "trainer.fault.inject": ("nan", "overflow", "hang"),

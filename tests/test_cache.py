@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import cache, tracking
+from orchestrator import cache, mlflow_store, tracking
 from orchestrator.planner import ops
 
 
@@ -34,7 +34,7 @@ def test_an_unwritable_cache_still_gives_the_value(tmp_path, monkeypatch):
     blocker.write_text("not a folder")
     monkeypatch.setenv("CHIP_ORCHESTRATOR_CACHE", str(blocker / "c"))
     assert cache.json_entry("k", 1, lambda: [1, 2]) == [1, 2]
-    assert tracking.seed_sqlite_store("sqlite:///" + str(tmp_path / "m.db")) is False  # MLflow makes it then
+    assert mlflow_store.seed_sqlite_store("sqlite:///" + str(tmp_path / "m.db")) is False  # MLflow makes it then
 
 
 def test_the_operator_capture_is_read_from_disk_and_keyed_by_the_trainer_source(compose_cfg, tmp_path, monkeypatch):
@@ -73,7 +73,7 @@ def test_a_seeded_store_is_the_store_mlflow_makes(tmp_path, monkeypatch):
     own = tmp_path / "own.db"
     tracking.client("sqlite:///" + str(own)).search_experiments()  # made by MLflow, migrations and all
     uri = "sqlite:///" + str(tmp_path / "new" / "seeded.db")
-    assert tracking.seed_sqlite_store(uri) is True
+    assert mlflow_store.seed_sqlite_store(uri) is True
     assert _schema(tmp_path / "new" / "seeded.db") == _schema(own)
     c = tracking.client(uri)
     (default,) = c.search_experiments()
@@ -83,9 +83,9 @@ def test_a_seeded_store_is_the_store_mlflow_makes(tmp_path, monkeypatch):
     c.log_metric(run.info.run_id, "loss", 1.5, step=0)
     assert c.get_metric_history(run.info.run_id, "loss")[0].value == 1.5
     before = (tmp_path / "new" / "seeded.db").read_bytes()
-    assert tracking.seed_sqlite_store(uri) is False  # a store already there is left alone
+    assert mlflow_store.seed_sqlite_store(uri) is False  # a store already there is left alone
     assert (tmp_path / "new" / "seeded.db").read_bytes() == before
-    assert not tracking.seed_sqlite_store("http://127.0.0.1:1") and not tracking.seed_sqlite_store("sqlite://")
+    assert not mlflow_store.seed_sqlite_store("http://127.0.0.1:1") and not mlflow_store.seed_sqlite_store("sqlite://")
     assert not [p for p in (tmp_path / "new").iterdir() if p.name.startswith(".")]
 
 

@@ -36,7 +36,6 @@ READ_BY_CONTROL_PLANE = {
     "model.name",
     "precision.name",
     "comm.name",
-    "trainer.optimizer",
 }
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrator import report, tracking
+from orchestrator import mlflow_reporter, mlflow_store, report, tracking
 from orchestrator.launch import free_port
 from tests.conftest import ROOT, TableRunner, cli_env, metric_history
 from tests.test_tracking import SMOKE
@@ -61,7 +61,7 @@ class Server:
             cmd, cwd=self.root, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
         deadline = time.monotonic() + READY_S
-        while tracking.store_problem(self.uri, timeout_s=1.0) is not None:
+        while mlflow_store.store_problem(self.uri, timeout_s=1.0) is not None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"mlflow server did not start: {(self.root / 'server.log').read_text()[-2000:]}")
             time.sleep(0.2)
@@ -114,7 +114,7 @@ def _wait(what: str, cond, proc: subprocess.Popen | None = None, bound_s: float 
 
 
 def _journal_steps(path: Path) -> list:
-    return [r["step"] for op in tracking.read_journal(str(path)) if op["op"] == "rows" for r in op["rows"]]
+    return [r["step"] for op in mlflow_reporter.read_journal(str(path)) if op["op"] == "rows" for r in op["rows"]]
 
 
 def test_a_trial_outlives_its_tracking_server_and_loses_no_step(running, tmp_path):
@@ -191,7 +191,7 @@ def test_a_worker_that_dies_while_the_server_is_away_loses_nothing(running, tmp_
     c = MlflowClient(running.uri)
     run_id = c.create_run(tracking.experiment_id(running.uri, "outage_worker")).info.run_id
     journal = tmp_path / f"mlflow_journal_{run_id}.jsonl"
-    rep = tracking.MlflowReporter(running.uri, run_id, 10, False, str(journal))
+    rep = mlflow_reporter.MlflowReporter(running.uri, run_id, 10, False, str(journal))
     running.stop()
     proc = subprocess.run(
         [sys.executable, "-c", WORKER, pickle.dumps(rep).hex()], cwd=ROOT, env=cli_env(), capture_output=True, text=True
@@ -199,10 +199,10 @@ def test_a_worker_that_dies_while_the_server_is_away_loses_nothing(running, tmp_
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert _journal_steps(journal) == list(range(10))
     running.start()
-    assert tracking.deliver_journal(str(journal))  # what the driver does at the trial's end
+    assert mlflow_reporter.deliver_journal(str(journal))  # what the driver does at the trial's end
     assert _steps(running.uri, run_id) == list(range(10))
     assert c.get_run(run_id).data.tags["checkpoint.step"] == "10" and not journal.exists()
-    assert tracking.deliver_journal(str(journal))  # nothing left: nothing delivered twice
+    assert mlflow_reporter.deliver_journal(str(journal))  # nothing left: nothing delivered twice
     assert _steps(running.uri, run_id) == list(range(10))
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrator import report, tracking, trial
+from orchestrator import mlflow_reporter, mlflow_store, mlflow_ui, report, tracking, trial
 from orchestrator.launch import free_port
 from tests.conftest import ROOT, TableRunner, cli_in_process, metric_history, search_runs
 
@@ -29,7 +29,7 @@ def _run(uri: str) -> str:
 
 
 def _rows(steps, t0: float, loss0: float = 5.0):
-    return [{"step": s, "loss": loss0 - 0.1 * s, "lr": 1e-3, tracking.ROW_TIME: t0 + s} for s in steps]
+    return [{"step": s, "loss": loss0 - 0.1 * s, "lr": 1e-3, mlflow_reporter.ROW_TIME: t0 + s} for s in steps]
 
 
 def _dead_uri() -> str:
@@ -98,18 +98,18 @@ def test_the_training_data_is_the_run_s_dataset_input(compose_cfg, mlflow_uri, t
 
 
 def test_the_ui_hint_names_the_store_and_the_run():
-    hint = tracking.ui_hint("sqlite:////tmp/x y/mlruns.db", "3", "abc")
+    hint = mlflow_ui.ui_hint("sqlite:////tmp/x y/mlruns.db", "3", "abc")
     assert hint == (
         "MLflow UI: mlflow ui --backend-store-uri 'sqlite:////tmp/x y/mlruns.db'  "
         "then open http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
     )
     assert (
-        tracking.ui_hint("http://h:5000/", "3")
+        mlflow_ui.ui_hint("http://h:5000/", "3")
         == "MLflow UI: http://h:5000/#/experiments/3/runs?workflowType=machine_learning"
     )
-    assert tracking.ui_hint("databricks", "3") == "MLflow UI: the workspace's experiment 3"
+    assert mlflow_ui.ui_hint("databricks", "3") == "MLflow UI: the workspace's experiment 3"
     server = "MLflow UI: http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning"
-    assert tracking.ui_hint("http://127.0.0.1:5000", "3") == server  # a server at mlflow ui's address
+    assert mlflow_ui.ui_hint("http://127.0.0.1:5000", "3") == server  # a server at mlflow ui's address
 
 
 # --- rank 0's reporter --------------------------------------------------------------------------------
@@ -118,7 +118,7 @@ def test_the_ui_hint_names_the_store_and_the_run():
 def test_each_step_s_metrics_carry_the_time_that_step_ended(mlflow_uri, tmp_path):
     run_id = _run(mlflow_uri)
     journal = tmp_path / "j.jsonl"
-    rep = pickle.loads(pickle.dumps(tracking.MlflowReporter(mlflow_uri, run_id, 6, False, str(journal))))
+    rep = pickle.loads(pickle.dumps(mlflow_reporter.MlflowReporter(mlflow_uri, run_id, 6, False, str(journal))))
     t0 = time.time() - 1000.0  # steps that ended long before they are delivered
     rep.open()
     rep.log_steps(_rows(range(3), t0))
@@ -129,7 +129,7 @@ def test_each_step_s_metrics_carry_the_time_that_step_ended(mlflow_uri, tmp_path
     assert [m.timestamp for m in loss] == [int((t0 + s) * 1000) for s in range(6)]
     assert [m.timestamp for m in metric_history(mlflow_uri, run_id, "lr")] == [m.timestamp for m in loss]
     metrics = MlflowClient(mlflow_uri).get_run(run_id).data.metrics
-    assert tracking.ROW_TIME not in metrics and metrics["final_loss"] == 4.5
+    assert mlflow_reporter.ROW_TIME not in metrics and metrics["final_loss"] == 4.5
     assert not journal.exists()  # all delivered: the journal is gone
 
 
@@ -139,15 +139,15 @@ def test_a_queued_artifact_keeps_its_name(mlflow_uri, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     run_id = _run(mlflow_uri)
     journal = tmp_path / "j.jsonl"
-    away = tracking.MlflowReporter(_dead_uri(), run_id, 3, False, str(journal), finish_timeout_s=1.0)
+    away = mlflow_reporter.MlflowReporter(_dead_uri(), run_id, 3, False, str(journal), finish_timeout_s=1.0)
     trace = tmp_path / "trace_rank0.json"
     trace.write_text("{}")
     away.log_steps(_rows(range(3), time.time()))
     away.log_artifact(str(trace), "profile")
     trace.unlink()  # the caller may delete it once handed over (the Ray relay does)
     away.finish({})
-    assert [op["op"] for op in tracking.read_journal(str(journal))] == ["rows", "artifact", "metrics"]
-    back = tracking.MlflowReporter(mlflow_uri, run_id, 3, False, str(journal))
+    assert [op["op"] for op in mlflow_reporter.read_journal(str(journal))] == ["rows", "artifact", "metrics"]
+    back = mlflow_reporter.MlflowReporter(mlflow_uri, run_id, 3, False, str(journal))
     back.finish({})
     files = {a.path for a in MlflowClient(mlflow_uri).list_artifacts(run_id, "profile")}
     assert files == {"profile/trace_rank0.json"}
@@ -158,7 +158,7 @@ def test_a_restarted_worker_group_never_logs_a_step_twice(mlflow_uri, tmp_path):
     """A group restarted from a checkpoint recomputes steps the crashed one logged; at other times,
     so the store's own primary key (key, step, timestamp, value) would keep both."""
     run_id = _run(mlflow_uri)
-    first = tracking.MlflowReporter(mlflow_uri, run_id, 15, False, str(tmp_path / "j.jsonl"))
+    first = mlflow_reporter.MlflowReporter(mlflow_uri, run_id, 15, False, str(tmp_path / "j.jsonl"))
     restarted = pickle.loads(pickle.dumps(first))
     first.log_steps(_rows(range(10), time.time() - 100))
     assert first.close(30.0)
@@ -175,19 +175,19 @@ def test_records_wait_in_the_journal_while_the_store_is_away(mlflow_uri, tmp_pat
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # the worker's setting (WORKER_HTTP_ENV)
     run_id = _run(mlflow_uri)
     journal = tmp_path / "j.jsonl"
-    away = tracking.MlflowReporter(_dead_uri(), run_id, 8, False, str(journal), finish_timeout_s=1.0)
+    away = mlflow_reporter.MlflowReporter(_dead_uri(), run_id, 8, False, str(journal), finish_timeout_s=1.0)
     away.open()
     away.log_steps(_rows(range(4), time.time() - 50))
     away.checkpoint(4, "/ckpt/step_4")
     away.log_steps(_rows(range(4, 8), time.time() - 40))
     away.finish({"final_loss": 4.2})  # waits 1 s, then gives up and says where the records are
     assert away.failed_attempts >= 1 and away.rows_delivered == 0
-    kept = tracking.read_journal(str(journal))
+    kept = mlflow_reporter.read_journal(str(journal))
     assert [op["op"] for op in kept] == ["rows", "tags", "rows", "metrics"]
     assert [r["step"] for op in kept if op["op"] == "rows" for r in op["rows"]] == list(range(8))
 
     # the store is back (here: the same run in the sqlite store); a reporter of the journal delivers
-    back = tracking.MlflowReporter(mlflow_uri, run_id, 8, False, str(journal))
+    back = mlflow_reporter.MlflowReporter(mlflow_uri, run_id, 8, False, str(journal))
     back.log_steps(_rows(range(6, 9), time.time()))  # steps 6, 7 again (a restarted group), then 8
     back.finish({})
     loss = metric_history(mlflow_uri, run_id, "loss")
@@ -221,9 +221,9 @@ def test_a_store_that_cannot_be_used_stops_the_trial_before_anything_starts(uri,
 
 
 def test_store_problem_is_none_for_a_usable_store(mlflow_uri, tmp_path):
-    assert tracking.store_problem(mlflow_uri) is None
-    assert tracking.store_problem("sqlite:///" + str(tmp_path / "new" / "dir" / "mlruns.db")) is None
-    assert "no answer" in tracking.store_problem(_dead_uri())
+    assert mlflow_store.store_problem(mlflow_uri) is None
+    assert mlflow_store.store_problem("sqlite:///" + str(tmp_path / "new" / "dir" / "mlruns.db")) is None
+    assert "no answer" in mlflow_store.store_problem(_dead_uri())
 
 
 # --- the tuning report in MLflow's UI ------------------------------------------------------------------

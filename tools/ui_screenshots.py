@@ -8,7 +8,7 @@ Needs ``chromium`` (Debian: ``apt-get install chromium``). The study is the ``cp
 with one repeat a point and 6 steps a trial (about a minute on 2 cores). The UI is served by a
 real ``mlflow server`` on the store, on 127.0.0.1 only, and stopped at the end; on port 5000 by
 default, the address ``mlflow ui`` serves and the one a local store's report links its images to
-(``tracking.ui_base``).
+(``mlflow_ui.ui_base``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from orchestrator.tracking import UI_VIEW, ui_page  # noqa: E402 - the checkout's, run as a script
+from orchestrator.mlflow_ui import UI_VIEW, ui_page  # noqa: E402 - the checkout's, run as a script
 
 STUDY = ["+sweep=cpu_smoke", "+chip=cpu", "hydra.sweeper.repeats=1", "trainer.steps=6"]
 

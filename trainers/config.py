@@ -46,7 +46,7 @@ class ModelConfig:
     norm: str = "layernorm"  # layernorm | rmsnorm
     mlp: str = "gelu"  # gelu | swiglu
     pos_emb: str = "learned"  # learned | rope
-    tie_embeddings: bool = True
+    tie_embeddings: bool = False  # untied, as every preset but gpt2_small: the head may sit on another pipeline stage
     # fused (scaled_dot_product_attention) | decomposed (matmul + softmax + matmul) | npu_fused
     # (torch_npu.npu_fusion_attention, Ascend A2; what the planner maps fused attention to there)
     attn_impl: str = "fused"
@@ -161,7 +161,6 @@ class TrainerConfig:
     micro_batch: int = 8  # sequences per forward pass on one rank (without a pipeline)
     seq_len: int = 128
     seed: int = 1234
-    optimizer: str = "adamw"
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     lr_warmup_steps: int = 5
@@ -206,7 +205,6 @@ class RuntimeConfig:
     torch_plugin: Optional[str] = None
     env: Dict[str, str] = field(default_factory=dict)
     timeout_s: float = 600.0
-    emulated: bool = False
     peak_flops: float = 0.0  # per device, for the compute dtype; 0 = unknown
 
 

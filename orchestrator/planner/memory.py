@@ -3,8 +3,8 @@
 - parameters, gradients and Adam states from the bytes per parameter of the precision: FP32
   training keeps 4 (params) + 4 (grads) + 8 (two FP32 moments); 16-bit parameters with FP32
   master weights keep 2 + 2 + 12 (master + moments), the 16 bytes/param of the ZeRO paper
-  (Rajbhandari et al. 2020, sec. 3.1), or 2 + 4 + 12 = 18 with FP32 gradient buffers
-  (``planner.grad_accum_fp32``), Megatron's ``theoretical_memory_usage.py``; 16-bit parameters
+  (Rajbhandari et al. 2020, sec. 3.1), the trainer's gradients being in the parameters' dtype
+  (Megatron's fp32 main grads make it 18, ``theoretical_memory_usage.py``); 16-bit parameters
   without master weights keep 2 + 2 + 4 (16-bit moments). The element counts are exact per rank
   (:func:`model_state`, the tensors of :mod:`orchestrator.planner.shapes`): tensor parallelism
   shards the layer matrices and the vocabulary; pipeline parallelism gives each rank its
@@ -78,7 +78,7 @@ from orchestrator.planner.shapes import (
 def state_bytes(precision: DictConfig, planner: DictConfig) -> Tuple[int, int, int]:
     """Bytes per parameter of (parameters, gradients, Adam states)."""
     p = BYTES[precision.param_dtype]
-    g = 4 if planner.grad_accum_fp32 else p
+    g = p  # gradients in the parameters' dtype, as the trainer keeps them (no fp32 main grads)
     master = p < 4 and bool(precision.master_weights_fp32)
     moment = 4 if (p == 4 or master) else p
     return p, g, 2 * moment + (4 if master else 0)
@@ -318,15 +318,13 @@ def dp_buffer_bytes(
     """Data-parallel buffers of a rank holding ``n`` parameters before FSDP sharding."""
     if s.dp <= 1:
         return 0.0
-    overlap = bool(comm.get("overlap", True))
-    bucket = float(comm.bucket_mb) * MiB
     if s.fsdp:
-        if not overlap:  # one unit per stage: all of the rank's parameters and their full gradients
+        if not comm.overlap:  # one unit per stage: all of the rank's parameters and their full gradients
             return float(n * (pb + gb))
         return float(block_params(m, s) * (2 * pb + gb))  # the gathered block, the prefetched next, its gradient
-    if not overlap:  # no DDP wrapper: every bucket's flat copy in flight at once after the backward
-        return float(n * gb)
-    return float(n * gb) if not planner.ddp_bucket_view else 2 * bucket
+    # DDP's buckets copy every gradient (the trainer does not set gradient_as_bucket_view); without
+    # the wrapper (comm.overlap=false) every bucket's flat copy is in flight at once after the backward
+    return float(n * gb)
 
 
 @dataclass
