@@ -14,7 +14,7 @@ basic launcher, each in its own MLflow experiment of one store:
   for each repeats value given, each in its own experiment (the grid runs once).
 
 ``--measure`` is ``trainer.measure`` in both searches alike (``adaptive``: a trial stops once its
-median step time is known, README "Trials that stop when the step time is known"). Figures:
+median step time is known, docs/trials.md, "Trials that stop when the step time is known"). Figures:
 trials launched, trial-seconds (the sum of the trials' run durations in MLflow, the
 device time each search spent) and the search's wall time; the best config each found and its
 objective as measured inside the search. Then the two winners are measured again side by side
@@ -81,7 +81,7 @@ def main():
     ap.add_argument("--runs", type=int, default=1, help="OVAT studies per repeats value (the grid runs once)")
     ap.add_argument("--remeasure", type=int, default=3, help="side-by-side runs of each winner")
     ap.add_argument("--measure", choices=("fixed", "adaptive"), default="fixed", help="trainer.measure, both searches")
-    ap.add_argument("--keep", help="work in this folder (default: a temporary one)")
+    ap.add_argument("--keep", help="work in this folder (default: a temporary one); searches done there are reused")
     args = ap.parse_args()
     from orchestrator import best, results
     from orchestrator import report as report_mod
@@ -93,10 +93,20 @@ def main():
     base.append(f"trainer.measure={args.measure}")
     sweep_args = [f"{k}={v}" for k, v in VARIABLES]
 
-    walls = {"grid": cli(["-m", *base, "tracking.experiment=grid", *sweep_args], work, work / "grid.log")}
+    # a search already finished in --keep's folder (its wall time in walls.json) is not run again
+    walls_file = work / "walls.json"
+    walls = json.loads(walls_file.read_text()) if walls_file.is_file() else {}
+
+    def search(name, cmd):
+        if name not in walls:
+            walls[name] = cli(cmd, work, work / f"{name}.log")
+            walls_file.write_text(json.dumps(walls))
+
+    search("grid", ["-m", *base, "tracking.experiment=grid", *sweep_args])
     studies = [(f"ovat_r{r}_{i + 1}", r) for r in args.repeats for i in range(args.runs)]
     for name, repeats in studies:
-        walls[name] = cli(
+        search(
+            name,
             [
                 "-m",
                 "hydra/sweeper=ovat",
@@ -106,8 +116,6 @@ def main():
                 "hydra.sweeper.resume=false",
                 *sweep_args,
             ],
-            work,
-            work / f"{name}.log",
         )
 
     ranked = best.rank(uri, "grid", OBJECTIVE)

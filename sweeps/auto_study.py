@@ -146,8 +146,7 @@ def _entry_row(e: Entry, chosen: Optional[Entry], stop: str) -> Dict[str, Any]:
 
 
 def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
-    """The ``auto`` sweeper's ``sweep()``."""
-    from orchestrator.planner import plan_space
+    """The ``auto`` sweeper's ``sweep()``: plan, then (unless a dry run) measure and polish."""
     from sweeps.ovat import StudyError
 
     spec = {k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v) for k, v in sweeper.spec.items()}
@@ -159,18 +158,79 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
     cfg = _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, list(arguments)))
     chips.resolve(cfg)
     devices = _devices(sweeper, cfg, auto, info)
+    plan = _plan(cfg, devices, auto, info)
+    # a batch: the trials the nodes hold at once (the Ray launcher runs them side by side, the
+    # basic one in turn), at least two so each refit has something new
+    dpn = int(cfg.chip.devices_per_node)
+    batch = auto.batch or max(2, max(1, int(cfg.launch.nnodes)) * dpn // devices)
+    bad = polish.check(lambda o: _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, o)),
+                       list(arguments), auto.polish)  # fmt: skip
+    if bad:
+        _fail_study(bad, info)
+    if auto.dry_run:
+        _print_dry_run(plan, cfg, auto, batch)
+        if info is not None:
+            sweep.discard(info)
+        return []
+    if info is None:
+        _fail_study(["tracking.enabled=false: the auto sweeper reads every measurement back from MLflow"])
+    sweep.sweeper_resumes(info)
+    t1 = time.perf_counter()
+    search, stop, points, runner = _measure(sweeper, arguments, cfg, devices, auto, batch, plan, info)
+    best = search.best()
+    best_point = points.get(id(best)) if best else None
+    sweep_dir = Path(str(sweeper.config.hydra.sweep.dir))
+    polished = None
+    if best_point is not None:
+        polished = polish.run(sweeper, info, list(best_point.overrides), auto.polish, auto.polish_repeats,
+                              auto.min_speedup, sweep_dir)  # fmt: skip
+    final = polished["final"]["overrides"] if polished else (best_point.overrides if best_point else None)
+    data = {
+        "model": str(cfg.model.name),
+        "chip": str(cfg.chip.name),
+        "devices": devices,
+        "points": plan.res.count,
+        "fit": plan.res.fit,
+        "plan_seconds": plan.seconds,
+        "excluded": plan.excluded,
+        "budget": {k: getattr(auto, k) for k in ("max_trials", "max_trial_seconds", "max_device_hours")},
+        "stop": stop,
+        "log": search.log,
+        "summary": summary(search),
+        "candidates": [_entry_row(e, best, stop) for e in search.entries],
+        "command": results.command(final) if final else None,
+        "final_overrides": final,
+        "polish": polish.summary(polished, "" if best_point else "no candidate finished"),
+        "wall_seconds": time.perf_counter() - t1,
+    }
+    _report(data, sweep_dir, info)
+    log.info("auto: %s; best %s (%s)", stop, best.name if best else "-", data["command"] or "nothing finished")
+    return runner.returns
+
+
+@dataclass
+class _Planned:
+    res: Any  # orchestrator.planner.search's result
+    seconds: float
+    excluded: Dict[str, int]  # points per reason, most first
+
+
+def _plan(cfg: DictConfig, devices: int, auto: AutoSpec, info: Any) -> _Planned:
+    """Stage 1: every point of ``devices``, logged; a model no point fits is refused."""
+    from orchestrator.planner import plan_space
+
     t0 = time.perf_counter()
     res = plan_space(cfg, devices, auto.space)
-    plan_s = time.perf_counter() - t0
-    excluded = {why: ex.count for why, ex in sorted(res.excluded.items(), key=lambda kv: -kv[1].count)}
+    plan = _Planned(res, time.perf_counter() - t0, {})
+    plan.excluded = {why: ex.count for why, ex in sorted(res.excluded.items(), key=lambda kv: -kv[1].count)}
     log.info(
         "auto: %d points on %d x %s, %d fit, planned in %.2f s; excluded: %s",
         res.count,
         devices,
         cfg.chip.name,
         res.fit,
-        plan_s,
-        "; ".join(f"{n} {why}" for why, n in excluded.items()) or "none",
+        plan.seconds,
+        "; ".join(f"{n} {why}" for why, n in plan.excluded.items()) or "none",
     )
     if not res.plans:
         near = res.closest[0] if res.closest else None
@@ -178,40 +238,40 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
         _fail_study([f"model={cfg.model.name}: no point of {devices} devices fits or runs{extra}"], info)
     for i, p in enumerate(res.plans[: auto.shortlist]):
         log.info("auto: shortlist %d. %s predicted %.4g s", i + 1, p.candidate.name, p.step.step_time_s)
-    dpn = int(cfg.chip.devices_per_node)
-    # a batch: the trials the nodes hold at once (the Ray launcher runs them side by side, the
-    # basic one in turn), at least two so each refit has something new
-    batch = auto.batch or max(2, max(1, int(cfg.launch.nnodes)) * dpn // devices)
-    bad = polish.check(lambda o: _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, o)),
-                       list(arguments), auto.polish)  # fmt: skip
-    if bad:
-        _fail_study(bad, info)
-    if auto.dry_run:
-        n = min(auto.max_trials, res.fit)
-        guess = sum(p.step.step_time_s for p in res.plans[:n]) * float(cfg.trainer.steps)
-        print(f"auto (dry run): {res.count} points, {res.fit} fit, planned in {plan_s:.2f} s")
-        for why, count in excluded.items():
-            print(f"  excluded {count:>6}  {why}")
-        for i, p in enumerate(res.plans[: auto.shortlist]):
-            print(f"  {i + 1:>3}. {p.candidate.name:<48} predicted {p.step.step_time_s:.4g} s")
-        print(
-            f"measure: at most {n} trials in batches of {batch}, about {guess:.0f} s of training steps "
-            f"({cfg.trainer.steps} steps each at the predicted step times, launches not counted)"
-        )
-        if auto.polish:
-            most = sum(len(v) for v in auto.polish.values()) * auto.polish_repeats
-            print(f"polish from the winner, one at a time, at most {most} trials: "
-                  + ", ".join(f"{k}={v}" for k, v in auto.polish.items()))  # fmt: skip
-        if info is not None:
-            sweep.discard(info)
-        return []
-    if info is None:
-        _fail_study(["tracking.enabled=false: the auto sweeper reads every measurement back from MLflow"])
-    sweep.sweeper_resumes(info)
+    return plan
+
+
+def _print_dry_run(plan: _Planned, cfg: DictConfig, auto: AutoSpec, batch: int) -> None:
+    res = plan.res
+    n = min(auto.max_trials, res.fit)
+    guess = sum(p.step.step_time_s for p in res.plans[:n]) * float(cfg.trainer.steps)
+    print(f"auto (dry run): {res.count} points, {res.fit} fit, planned in {plan.seconds:.2f} s")
+    for why, count in plan.excluded.items():
+        print(f"  excluded {count:>6}  {why}")
+    for i, p in enumerate(res.plans[: auto.shortlist]):
+        print(f"  {i + 1:>3}. {p.candidate.name:<48} predicted {p.step.step_time_s:.4g} s")
+    print(
+        f"measure: at most {n} trials in batches of {batch}, about {guess:.0f} s of training steps "
+        f"({cfg.trainer.steps} steps each at the predicted step times, launches not counted)"
+    )
+    if auto.polish:
+        most = sum(len(v) for v in auto.polish.values()) * auto.polish_repeats
+        print(f"polish from the winner, one at a time, at most {most} trials: "
+              + ", ".join(f"{k}={v}" for k, v in auto.polish.items()))  # fmt: skip
+
+
+def _measure(sweeper, arguments, cfg, devices, auto, batch, plan, info):
+    """Stage 2: the search over the planned points, each measured through the launcher; returns
+    (the search, why it stopped, its points by entry, the runner)."""
+    res, dpn = plan.res, int(cfg.chip.devices_per_node)
     keys = list(res.plans[0].candidate.values(devices, dpn))
     study = Study(name="auto", variables=OrderedDict((k, []) for k in keys), fixed=list(arguments), repeats=1)
     runner = Runner(sweeper, study, info)
-    top = runner.point(OrderedDict((k, _value(v)) for k, v in res.plans[0].candidate.values(devices, dpn).items()))
+
+    def assignment(candidate) -> "OrderedDict[str, str]":
+        return OrderedDict((k, _value(v)) for k, v in candidate.values(devices, dpn).items())
+
+    top = runner.point(assignment(res.plans[0].candidate))
     if top.status not in ("pending", tracking.STATUS_OK):
         _fail_study([f"launch.world_size={devices}: the planner's best point cannot launch here: {top.reason}"], info)
     base, _ = base_config(cfg)
@@ -232,10 +292,7 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
     points: Dict[int, Any] = {}
 
     def measure(entries: List[Entry]) -> None:
-        pts = []
-        for e in entries:
-            assignment = OrderedDict((k, _value(v)) for k, v in e.candidate.values(devices, dpn).items())
-            pts.append(runner.point(assignment))
+        pts = [runner.point(assignment(e.candidate)) for e in entries]
         runner.measure(pts)
         for e, p in zip(entries, pts):
             points[id(e)] = p
@@ -247,42 +304,8 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
                               trial_s=seconds)  # fmt: skip
             log.info("auto: %s: %s", e.name, f"{p.value:.4g} s" if p.value else f"{p.status}: {p.reason[:200]}")
 
-    t1 = time.perf_counter()
     stop = search.run(measure)
-    best = search.best()
-    best_point = points.get(id(best)) if best else None
-    command = results.command(best_point.overrides) if best_point else None
-    sweep_dir = Path(str(sweeper.config.hydra.sweep.dir))
-    polished, why_not = None, ""
-    if best_point is None:
-        why_not = "no candidate finished"
-    else:
-        polished = polish.run(sweeper, info, list(best_point.overrides), auto.polish, auto.polish_repeats,
-                              auto.min_speedup, sweep_dir)  # fmt: skip
-    final_overrides = polished["final"]["overrides"] if polished else (best_point.overrides if best_point else None)
-    if polished:
-        command = polished["final"]["command"]
-    data = {
-        "model": str(cfg.model.name),
-        "chip": str(cfg.chip.name),
-        "devices": devices,
-        "points": res.count,
-        "fit": res.fit,
-        "plan_seconds": plan_s,
-        "excluded": excluded,
-        "budget": {"max_trials": auto.max_trials, "max_trial_seconds": auto.max_trial_seconds},
-        "stop": stop,
-        "log": search.log,
-        "summary": summary(search),
-        "candidates": [_entry_row(e, best, stop) for e in search.entries],
-        "command": command,
-        "final_overrides": final_overrides,
-        "polish": polish.summary(polished, why_not),
-        "wall_seconds": time.perf_counter() - t1,
-    }
-    _report(data, sweep_dir, info)
-    log.info("auto: %s; best %s (%s)", stop, best.name if best else "-", command or "nothing finished")
-    return runner.returns
+    return search, stop, points, runner
 
 
 def _devices(sweeper: Any, cfg: DictConfig, auto: AutoSpec, info: Any) -> int:

@@ -28,7 +28,7 @@ TRIAL = [
     "chip.devices_per_node=2",  # 4 ranks: two nodes
     # tp2 x pp2: its resume is exact to the bit. A DDP group of dp4 (or dp2pp2) is not: resumed,
     # it drifts from the uninterrupted run by ~1e-7 relative within a few steps, which training
-    # amplifies to ~1e-2 by step 100 (see README, Checkpoints and restarts)
+    # amplifies to ~1e-2 by step 100 (see docs/checkpoints.md)
     "parallel=tp2pp2",
     "trainer=smoke",
     f"trainer.steps={STEPS}",

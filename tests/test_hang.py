@@ -17,7 +17,7 @@ from tests.conftest import metric_history, run_cli, search_runs
 TIMEOUT_S = 5
 # How long after the hang the trial may end: comm.timeout_s, plus one step of gpt_tiny, the
 # launcher noticing the failed rank and ending the hung one, and the run's end in MLflow. The
-# README states the measured + 4 s; the bound here is looser, for a loaded CI machine. It is a correctness
+# docs/ray.md states the measured + 4 s; the bound here is looser, for a loaded CI machine. It is a correctness
 # property (the configured timeout ended the trial, not torch's 30-minute default), not a
 # performance figure.
 MARGIN_S = 60

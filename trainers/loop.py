@@ -49,72 +49,89 @@ from trainers.step_log import NonFiniteError, StepLog, flush_with  # noqa: F401 
 def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict[str, Any]]:
     """Run one trial's training in this process (a process group must be initialised, or this is
     the single-process reference). Returns the summary on rank 0, None elsewhere."""
-    reporter = reporter or NullReporter()
-    targs, dargs, pargs, rt = spec.trainer, spec.data, spec.precision, spec.runtime
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if rank == 0 and hasattr(reporter, "open"):
-        reporter.open()  # connects to its store while the model is built
-    set_deterministic(rt.device_type, targs.deterministic)
-    device = select_device(rt, int(os.environ.get("LOCAL_RANK", "0")))
-    torch.manual_seed(targs.seed)
+    loop = Loop(spec, reporter or NullReporter())
+    for step in range(loop.start_step, loop.targs.steps):
+        if loop.step(step):
+            break
+    return loop.summary()
 
-    scaler = LossScaler(pargs, device)
-    model = RankModel(spec, device, scaler)
-    p, margs, mesh = model.p, model.margs, model.mesh
-    n_params = count_params_global(margs)
-    step_ref = [0]
-    faults.install_injection(model.modules, targs.fault, step_ref)
-    tracker = FiniteTracker(model.modules, device)  # after the drill's hook: it sees its output
-    monitor = PrecisionMonitor(model.modules, pargs.monitor)
-    profiler = Profiler(
-        targs.profile,
-        targs.profile_start,
-        targs.profile_steps,
-        targs.profile_dir or os.path.join(os.getcwd(), "profiles"),
-        device,
-        rank,
-    )
-    # one optimizer per stage part (AdamW has no cross-parameter state), so each part's state
-    # dict can be taken and restored with its module
-    optims = [
-        optim_mod.build_optimizer([q for q in m.parameters() if q.requires_grad], targs, pargs) for m in model.modules
-    ]
 
-    if rank == 0:
-        data_mod.prepare(dargs)
-    if dist.is_initialized():
-        dist.barrier()
-    start_step = 0
-    if targs.checkpoint_dir:
-        ckpt.check_shared(targs.checkpoint_dir)
-    found = ckpt.latest(targs.checkpoint_dir)
-    if found is not None:
+class Loop:
+    """One trial's training on this rank, in three parts as a reader meets them: built from the
+    spec (:meth:`__init__`: model, optimizers, a checkpoint's state, data), stepped
+    (:meth:`step`: the update, its record, the read-back, the adaptive stop and the checkpoint),
+    summarised (:meth:`summary`)."""
+
+    def __init__(self, spec: TrialSpec, reporter: Reporter):
+        self.reporter = reporter
+        self.targs, self.dargs, self.pargs, self.rt = spec.trainer, spec.data, spec.precision, spec.runtime
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.rank == 0 and hasattr(reporter, "open"):
+            reporter.open()  # connects to its store while the model is built
+        set_deterministic(self.rt.device_type, self.targs.deterministic)
+        self.device = select_device(self.rt, int(os.environ.get("LOCAL_RANK", "0")))
+        torch.manual_seed(self.targs.seed)
+        self._build_model(spec)
+        self.start_step = self._resume()
+        self._build_data()
+        self.history: List[Dict[str, Any]] = []
+        self.log = StepLog(self.device, acc_dtype(self.device), self.holds_loss, self.world)
+        self.clock = StepClock(self.device)
+        self.param_sum_initial = param_checksum(self.model.params, self.model.mesh)
+        self.state_bytes: Optional[Dict[str, int]] = None
+        self.model.train()
+        self.it = iter(self.loader)
+        self.profile_logged = False
+        self.timed_steps: List[float] = []  # this rank's step times after the warm-up (trainer.measure=adaptive)
+        # a loss scaler expects overflows; where the optimizer has no device-side skip (foreach on an
+        # NPU) its step reads the overflow flag back (trainers/optim.py: step)
+        self.sync_skip = self.scaler.enabled
+
+    # -- built --------------------------------------------------------------------------------
+
+    def _build_model(self, spec: TrialSpec) -> None:
+        targs, device = self.targs, self.device
+        self.scaler = LossScaler(self.pargs, device)
+        self.model = RankModel(spec, device, self.scaler)
+        self.n_params = count_params_global(self.model.margs)
+        self.step_ref = [0]
+        faults.install_injection(self.model.modules, targs.fault, self.step_ref)
+        self.tracker = FiniteTracker(self.model.modules, device)  # after the drill's hook: it sees its output
+        self.monitor = PrecisionMonitor(self.model.modules, self.pargs.monitor)
+        out_dir = targs.profile_dir or os.path.join(os.getcwd(), "profiles")
+        self.profiler = Profiler(targs.profile, targs.profile_start, targs.profile_steps, out_dir, device, self.rank)
+        # one optimizer per stage part (AdamW has no cross-parameter state), so each part's state
+        # dict can be taken and restored with its module
+        self.optims = [
+            optim_mod.build_optimizer([q for q in m.parameters() if q.requires_grad], targs, self.pargs)
+            for m in self.model.modules
+        ]
+
+    def _resume(self) -> int:
+        """The step to start from: the latest checkpoint's, its state loaded, else 0."""
+        if self.rank == 0:
+            data_mod.prepare(self.dargs)
+        if dist.is_initialized():
+            dist.barrier()
+        if self.targs.checkpoint_dir:
+            ckpt.check_shared(self.targs.checkpoint_dir)
+        found = ckpt.latest(self.targs.checkpoint_dir)
+        if found is None:
+            return 0
         start_step, path = found
-        extra = ckpt.load(path, model.modules, optims)
-        scaler.load_state_dict(extra["scaler"])
-        comm_mod.restore(model.comm_states, extra, rank, world, device)
-    split = rules.batch_split(targs.global_batch, p.dp, p.pp, targs.micro_batch, p.microbatches)
-    # the pipeline schedule cuts the replica's batch into its microbatches itself
-    micro = split.per_replica if p.pp > 1 else split.size
-    accum = split.per_replica // micro
-    loader = data_mod.build_loader(
-        dargs,
-        seq_len=targs.seq_len,
-        vocab_size=margs.vocab_size,
-        seed=targs.seed,
-        global_batch=targs.global_batch,
-        micro_batch=micro,
-        dp_rank=model.dp_rank,
-        dp_size=p.dp,
-        steps=targs.steps,
-        start_step=start_step,
-        pin_device=device.type if device.type in ("cuda", "npu") else "",
-    )
-    val_loader = None
-    if targs.eval_every > 0:
-        val_loader = data_mod.build_val_loader(
-            dargs,
+        extra = ckpt.load(path, self.model.modules, self.optims)
+        self.scaler.load_state_dict(extra["scaler"])
+        comm_mod.restore(self.model.comm_states, extra, self.rank, self.world, self.device)
+        return start_step
+
+    def _build_data(self) -> None:
+        targs, p, margs, model = self.targs, self.model.p, self.model.margs, self.model
+        split = rules.batch_split(targs.global_batch, p.dp, p.pp, targs.micro_batch, p.microbatches)
+        # the pipeline schedule cuts the replica's batch into its microbatches itself
+        micro = split.per_replica if p.pp > 1 else split.size
+        self.accum = split.per_replica // micro
+        common = dict(
             seq_len=targs.seq_len,
             vocab_size=margs.vocab_size,
             seed=targs.seed,
@@ -122,181 +139,215 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
             micro_batch=micro,
             dp_rank=model.dp_rank,
             dp_size=p.dp,
-            batches=targs.eval_batches,
         )
-    tokens_per_step = targs.global_batch * targs.seq_len
-    # 6 N per token for the matmuls forward and backward, plus attention scores 12 L d T
-    flops_per_token = 6 * n_params + 12 * margs.n_layers * margs.d_model * targs.seq_len
-    holds_loss = torch.tensor([1.0 if model.schedule is None or model.has_last else 0.0], device=device)
+        pin = self.device.type if self.device.type in ("cuda", "npu") else ""
+        self.loader = data_mod.build_loader(
+            self.dargs, **common, steps=targs.steps, start_step=self.start_step, pin_device=pin
+        )
+        self.val_loader = None
+        if targs.eval_every > 0:
+            self.val_loader = data_mod.build_val_loader(self.dargs, **common, batches=targs.eval_batches)
+        self.tokens_per_step = targs.global_batch * targs.seq_len
+        # 6 N per token for the matmuls forward and backward, plus attention scores 12 L d T
+        self.flops_per_token = 6 * self.n_params + 12 * margs.n_layers * margs.d_model * targs.seq_len
+        has_loss = model.schedule is None or model.has_last
+        self.holds_loss = torch.tensor([1.0 if has_loss else 0.0], device=self.device)
 
-    history: List[Dict[str, Any]] = []
-    log = StepLog(device, acc_dtype(device), holds_loss, world)
-    clock = StepClock(device)
+    # -- stepped ------------------------------------------------------------------------------
 
-    def deliver(rows: List[Dict[str, Any]]) -> None:
-        mem = peak_memory_gb(device)
-        for row in rows:
-            row["memory_gb"] = mem
-        if rank == 0 and rows:
-            reporter.log_steps([dict(r) for r in rows])
-            history.extend(rows)
-
-    def flush() -> List[Dict[str, Any]]:
-        return flush_with(log, clock, tokens_per_step, scaler, deliver)
-
-    param_sum_initial = param_checksum(model.params, mesh)
-    state_bytes: Optional[Dict[str, int]] = None
-    model.train()
-    it = iter(loader)
-    profile_logged = False
-    timed_steps: List[float] = []  # this rank's step times after the warm-up (trainer.measure=adaptive)
-    # a loss scaler expects overflows; where the optimizer has no device-side skip (foreach on an
-    # NPU) its step reads the overflow flag back (trainers/optim.py: step)
-    sync_skip = scaler.enabled
-    for step in range(start_step, targs.steps):
-        step_ref[0] = step
-        faults.rank_drill(step, rank, targs.fault, targs.checkpoint_dir)
-        profiler.step(step)
-        if profiler.result is not None and not profile_logged:
+    def step(self, step: int) -> bool:
+        """One optimizer step and what follows it; True when the adaptive timing says stop."""
+        targs = self.targs
+        self.step_ref[0] = step
+        faults.rank_drill(step, self.rank, targs.fault, targs.checkpoint_dir)
+        self.profiler.step(step)
+        if self.profiler.result is not None and not self.profile_logged:
             # as soon as the window closes: a trial that dies later (a lost node) keeps its traces
-            _log_profile(profiler, reporter)
-            profile_logged = True
-        monitor.begin(step)
-        tracker.reset()
-        clock.start()
-        faults.straggle(rank, targs.fault)
+            _log_profile(self.profiler, self.reporter)
+            self.profile_logged = True
+        self.monitor.begin(step)
+        self.tracker.reset()
+        self.clock.start()
+        faults.straggle(self.rank, targs.fault)
         lr = lr_at(step, targs)
-        for opt in optims:
+        loss, grad_norm, found_inf, first_bad, stats = self._update(lr)
+        host_dt = self.clock.stop()
+        if self.clock.host_timed and step >= targs.warmup_steps:  # on every rank: the count gates a collective
+            self.timed_steps.append(host_dt)
+        self._record(step, lr, loss, grad_norm, found_inf, first_bad, stats)
+        if self.rank == 0:
+            self.reporter.on_step(step, host_dt)
+        return self._after(step + 1)
+
+    def _update(self, lr: float):
+        """Forward, backward and the optimizer step: (loss, grad norm, overflow flag, the first
+        non-finite layer, the precision monitor's stats), all on the device."""
+        model, scaler = self.model, self.scaler
+        for opt in self.optims:
             for group in opt.param_groups:
                 group["lr"] = lr
-        loss = model.forward_backward([next(it) for _ in range(accum)])
+        loss = model.forward_backward([next(self.it) for _ in range(self.accum)])
         # the whole model's norm (across shards, stages and replicas) of the unscaled gradient, on
         # the device; it is finite exactly when every gradient value is, so it is also the
         # overflow flag, global like the norm: every rank skips the same steps
-        grad_norm = global_grad_norm(model.params, mesh) / scaler.scale
+        grad_norm = global_grad_norm(model.params, model.mesh) / scaler.scale
         found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
-        first_bad = tracker.local_first()
-        stats = monitor.collect() if monitor.active else None
+        first_bad = self.tracker.local_first()
+        stats = self.monitor.collect() if self.monitor.active else None
         # 1 / scale times the clipping coefficient: the optimizer applies it as one multiplier
-        mult = grad_multiplier(scaler, grad_norm, targs.grad_clip)
-        for opt in optims:
-            optim_mod.step(opt, mult, found_inf, sync_skip)
-        if state_bytes is None or not state_bytes["optimizer"]:  # the rank at its fullest: after an update
-            state_bytes = model_state_bytes(model.modules, optims)
-        for opt in optims:
+        mult = grad_multiplier(scaler, grad_norm, self.targs.grad_clip)
+        for opt in self.optims:
+            optim_mod.step(opt, mult, found_inf, self.sync_skip)
+        if self.state_bytes is None or not self.state_bytes["optimizer"]:  # the rank at its fullest: after an update
+            self.state_bytes = model_state_bytes(model.modules, self.optims)
+        for opt in self.optims:
             opt.zero_grad(set_to_none=True)
         scaler.update(found_inf)
-        host_dt = clock.stop()
-        if clock.host_timed and step >= targs.warmup_steps:  # on every rank: the count gates a collective
-            timed_steps.append(host_dt)
+        return loss, grad_norm, found_inf, first_bad, stats
+
+    def _record(self, step, lr, loss, grad_norm, found_inf, first_bad, stats) -> None:
+        """The step's row, added to the batch read back at the next flush."""
+        scaler = self.scaler
         row: Dict[str, Any] = {"step": step, "lr": lr, ROW_TIME: time.time()}  # when the step ended (report.py)
         if stats:
             acts = [r for r in stats if r["kind"] == "activation"]
             row["monitor_act_max_abs"] = max(r["max_abs"] for r in acts) if acts else 0.0
             row["monitor_overflow_frac"] = max(r["overflow_fp16"] for r in stats)
             row["monitor_nonfinite"] = sum(r["nonfinite"] for r in stats)
-            if rank == 0:
-                reporter.log_table(step, "monitor", stats)
-        if model.comm_stats is not None:
-            row.update(model.comm_stats.take())
-        log.add(row, loss, [grad_norm, scaler.scale, scaler.skipped_steps, scaler.skipped_in_row, found_inf, first_bad])
-        if val_loader is not None and (step + 1) % targs.eval_every == 0:
-            row["val_loss"] = _global_mean(model.evaluate(val_loader), holds_loss, world)
-        if rank == 0:
-            reporter.on_step(step, host_dt)
-        done = step + 1
+            if self.rank == 0:
+                self.reporter.log_table(step, "monitor", stats)
+        if self.model.comm_stats is not None:
+            row.update(self.model.comm_stats.take())
+        device_values = [grad_norm, scaler.scale, scaler.skipped_steps, scaler.skipped_in_row, found_inf, first_bad]
+        self.log.add(row, loss, device_values)
+        if self.val_loader is not None and (step + 1) % self.targs.eval_every == 0:
+            row["val_loss"] = _global_mean(self.model.evaluate(self.val_loader), self.holds_loss, self.world)
+
+    def _deliver(self, rows: List[Dict[str, Any]]) -> None:
+        mem = peak_memory_gb(self.device)
+        for row in rows:
+            row["memory_gb"] = mem
+        if self.rank == 0 and rows:
+            self.reporter.log_steps([dict(r) for r in rows])
+            self.history.extend(rows)
+
+    def _flush(self) -> List[Dict[str, Any]]:
+        return flush_with(self.log, self.clock, self.tokens_per_step, self.scaler, self._deliver)
+
+    def _after(self, done: int) -> bool:
+        """After ``done`` steps: the read-back, the adaptive stop, the checkpoint."""
+        targs = self.targs
         due = targs.checkpoint_every > 0 and targs.checkpoint_dir and done % targs.checkpoint_every == 0
         flushed = False
         if done % max(1, targs.log_every) == 0 or done == targs.steps or due:
             # every log_every steps (and before a checkpoint, at the end): the one read-back of the
             # batch's metrics, and of its step times where they come from device events
-            rows = flush()
+            rows = self._flush()
             flushed = True
-            if not clock.host_timed:
-                timed_steps.extend(r["step_time_s"] for r in rows if r["step"] >= targs.warmup_steps)
+            if not self.clock.host_timed:
+                self.timed_steps.extend(r["step_time_s"] for r in rows if r["step"] >= targs.warmup_steps)
         measured = False
-        if targs.measure == "adaptive" and done < targs.steps and len(timed_steps) >= measure.MIN_TIMED:
+        if targs.measure == "adaptive" and done < targs.steps and len(self.timed_steps) >= measure.MIN_TIMED:
             # rank 0 decides (its times, each step on the CPU, at each read-back elsewhere); the
             # others only take its answer
-            if clock.host_timed or flushed:
-                measured = _agree(rank == 0 and measure.enough(timed_steps, targs.measure_tolerance), device, world)
+            if self.clock.host_timed or flushed:
+                enough = self.rank == 0 and measure.enough(self.timed_steps, targs.measure_tolerance)
+                measured = _agree(enough, self.device, self.world)
             if measured and not flushed:
-                flush()
+                self._flush()
         if due:
-            extra = {"scaler": scaler.state_dict(), **comm_mod.saved(model.comm_states, rank, world)}
-            path = ckpt.save(targs.checkpoint_dir, done, model.modules, optims, extra)
-            if rank == 0:
-                reporter.checkpoint(done, str(path))
-        if measured:
-            break
+            extra = {
+                "scaler": self.scaler.state_dict(),
+                **comm_mod.saved(self.model.comm_states, self.rank, self.world),
+            }
+            path = ckpt.save(targs.checkpoint_dir, done, self.model.modules, self.optims, extra)
+            if self.rank == 0:
+                self.reporter.checkpoint(done, str(path))
+        return measured
 
-    profiler.close()
-    # every rank's profile split; the summary reports that of the rank that waits on communication most,
-    # whole (its compute and comm shares together: one rank's compute with another's comm can sum past 1)
-    mine = profiler.result.metrics() if profiler.result else {}
-    prof = {k: _gather(mine.get(k, 0.0), device, world) for k in METRIC_KEYS}
-    mem = memory_gb(device)
-    peaks = _gather(mem["allocated"], device, world)
-    reserved = _gather(mem["reserved"], device, world)
-    device_used = _gather(mem["device_used"], device, world)
-    skipped = _gather(float(scaler.skipped_steps), device, world)  # a host read, once, after the loop
-    held = {k: _gather(float((state_bytes or {}).get(k, 0)), device, world) for k in ("params", "grads", "optimizer")}
-    param_sum_final = param_checksum(model.params, mesh)
-    tp_divergence = model.tp_replica_divergence()
-    if rank != 0:
-        return None
-    if not history:  # resumed from a checkpoint of the last step: nothing left to run
-        return {"resumed_from_step": start_step, "world_size": world, "losses": [], "grad_norms": []}
-    timed = [r["step_time_s"] for r in history if r["step"] >= targs.warmup_steps] or [
-        r["step_time_s"] for r in history
-    ]
-    median = statistics.median(timed)
-    half_width = measure.relative_half_width(timed)
-    # CPU workers share one host, whose peak the cpu chip gives; devices add up
-    peak_flops = rt.peak_flops * (1 if device.type == "cpu" else world)
-    summary = {
-        "step_time_median_s": median,
-        "tokens_per_s_median": tokens_per_step / median,
-        "final_loss": history[-1]["loss"],
-        "peak_mem_gb": max(peaks),  # allocated by tensors; reserved and device_used below
-        "peak_mem_reserved_gb": max(reserved),
-        "device_mem_used_gb": max(device_used),
-        "n_params": n_params,
-        "mfu": (flops_per_token * tokens_per_step / median) / peak_flops if peak_flops > 0 else None,
-        "skipped_steps_total": int(skipped[0]),
-        "skipped_steps_per_rank": [int(v) for v in skipped],
-        "param_sum_initial": param_sum_initial,
-        "param_sum_final": param_sum_final,
-        "world_size": world,
-        "resumed_from_step": start_step,
-        "steps_run": history[-1]["step"] + 1,  # < trainer.steps when trainer.measure=adaptive stopped early
-        "step_time_ci_rel": half_width,  # the median's 95% interval half-width / median (None: < 6 timed steps)
-        # the median's standard error / median, from the MAD: the noise a comparison of trials uses
-        "step_time_se_rel": measure.median_rel_se(timed),
-        "bubble_fraction": rules.bubble_fraction(p.pp, p.microbatches, p.schedule, p.virtual_stages),
-        # per rank, in rank order: bytes of parameters, gradients and optimizer state held
-        "model_state_bytes": [{k: int(held[k][r]) for k in held} for r in range(world)],
-        # gradient collectives rank 0 issued during / after the backward passes (DDP), and its
-        # FSDP units: how comm.overlap laid out the data-parallel reduction
-        "grad_collectives_in_backward": model.sync.in_backward,
-        "grad_collectives_after_backward": model.sync.after_backward,
-        "fsdp_units": model.fsdp_units,
-        "tp_replica_divergence": tp_divergence,
-    }
-    evals = [r["val_loss"] for r in history if "val_loss" in r]
-    if evals:
-        summary["val_loss"] = evals[-1]
-    summary.update({f"peak_mem_gb_rank{r}": v for r, v in enumerate(peaks)} if world > 1 else {})
-    if profiler.result is not None:
-        worst = max(range(world), key=lambda r: prof["comm_share"][r])
-        summary.update({k: prof[k][worst] for k in METRIC_KEYS})
-        summary["profile_rank"] = worst
-        if not profile_logged:  # the window ran to the last step
-            _log_profile(profiler, reporter)
-    reporter.finish(summary)
-    summary["losses"] = [r["loss"] for r in history]
-    summary["grad_norms"] = [r["grad_norm"] for r in history]
-    return summary
+    # -- summarised ---------------------------------------------------------------------------
+
+    def _gathered(self) -> Dict[str, Any]:
+        """Every rank's figures, in rank order (every rank takes part in each gather)."""
+        device, world = self.device, self.world
+        self.profiler.close()
+        mine = self.profiler.result.metrics() if self.profiler.result else {}
+        mem = memory_gb(device)
+        held = self.state_bytes or {}
+        return {
+            "prof": {k: _gather(mine.get(k, 0.0), device, world) for k in METRIC_KEYS},
+            "peaks": _gather(mem["allocated"], device, world),
+            "reserved": _gather(mem["reserved"], device, world),
+            "device_used": _gather(mem["device_used"], device, world),
+            "skipped": _gather(float(self.scaler.skipped_steps), device, world),  # a host read, once
+            "held": {k: _gather(float(held.get(k, 0)), device, world) for k in ("params", "grads", "optimizer")},
+            "param_sum_final": param_checksum(self.model.params, self.model.mesh),
+            "tp_divergence": self.model.tp_replica_divergence(),
+        }
+
+    def summary(self) -> Optional[Dict[str, Any]]:
+        """The trial's summary on rank 0 (None elsewhere), also given to the reporter."""
+        g = self._gathered()
+        if self.rank != 0:
+            return None
+        world, targs, history = self.world, self.targs, self.history
+        if not history:  # resumed from a checkpoint of the last step: nothing left to run
+            return {"resumed_from_step": self.start_step, "world_size": world, "losses": [], "grad_norms": []}
+        timed = [r["step_time_s"] for r in history if r["step"] >= targs.warmup_steps] or [
+            r["step_time_s"] for r in history
+        ]
+        summary = self._figures(timed, g)
+        evals = [r["val_loss"] for r in history if "val_loss" in r]
+        if evals:
+            summary["val_loss"] = evals[-1]
+        summary.update({f"peak_mem_gb_rank{r}": v for r, v in enumerate(g["peaks"])} if world > 1 else {})
+        if self.profiler.result is not None:
+            prof = g["prof"]
+            worst = max(range(world), key=lambda r: prof["comm_share"][r])
+            summary.update({k: prof[k][worst] for k in METRIC_KEYS})
+            summary["profile_rank"] = worst
+            if not self.profile_logged:  # the window ran to the last step
+                _log_profile(self.profiler, self.reporter)
+        self.reporter.finish(summary)
+        summary["losses"] = [r["loss"] for r in history]
+        summary["grad_norms"] = [r["grad_norm"] for r in history]
+        return summary
+
+    def _figures(self, timed: List[float], g: Dict[str, Any]) -> Dict[str, Any]:
+        world, p, model = self.world, self.model.p, self.model
+        median = statistics.median(timed)
+        # CPU workers share one host, whose peak the cpu chip gives; devices add up
+        peak_flops = self.rt.peak_flops * (1 if self.device.type == "cpu" else world)
+        held = g["held"]
+        return {
+            "step_time_median_s": median,
+            "tokens_per_s_median": self.tokens_per_step / median,
+            "final_loss": self.history[-1]["loss"],
+            "peak_mem_gb": max(g["peaks"]),  # allocated by tensors; reserved and device_used below
+            "peak_mem_reserved_gb": max(g["reserved"]),
+            "device_mem_used_gb": max(g["device_used"]),
+            "n_params": self.n_params,
+            "mfu": (self.flops_per_token * self.tokens_per_step / median) / peak_flops if peak_flops > 0 else None,
+            "skipped_steps_total": int(g["skipped"][0]),
+            "skipped_steps_per_rank": [int(v) for v in g["skipped"]],
+            "param_sum_initial": self.param_sum_initial,
+            "param_sum_final": g["param_sum_final"],
+            "world_size": world,
+            "resumed_from_step": self.start_step,
+            "steps_run": self.history[-1]["step"] + 1,  # < trainer.steps when trainer.measure=adaptive stopped early
+            "step_time_ci_rel": measure.relative_half_width(timed),  # 95% interval half-width / median (None: < 6)
+            # the median's standard error / median, from the MAD: the noise a comparison of trials uses
+            "step_time_se_rel": measure.median_rel_se(timed),
+            "bubble_fraction": rules.bubble_fraction(p.pp, p.microbatches, p.schedule, p.virtual_stages),
+            # per rank, in rank order: bytes of parameters, gradients and optimizer state held
+            "model_state_bytes": [{k: int(held[k][r]) for k in held} for r in range(world)],
+            # gradient collectives rank 0 issued during / after the backward passes (DDP), and its
+            # FSDP units: how comm.overlap laid out the data-parallel reduction
+            "grad_collectives_in_backward": model.sync.in_backward,
+            "grad_collectives_after_backward": model.sync.after_backward,
+            "fsdp_units": model.fsdp_units,
+            "tp_replica_divergence": g["tp_divergence"],
+        }
 
 
 def _agree(stop: bool, device: torch.device, world: int) -> bool:
