@@ -11,7 +11,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List
+from typing import Callable, List, Optional
 
 from omegaconf import DictConfig
 
@@ -180,8 +180,39 @@ def validate(cfg: DictConfig) -> List[str]:
     """Every broken cross-field rule of ``cfg`` (with ``cfg.chip`` resolved), one line each."""
     errors: List[str] = []
     err = errors.append
-    m, p, t, c, chip = cfg.model, cfg.parallel, cfg.trainer, cfg.comm, cfg.chip
+    _value_rules(cfg, err)
+    if any(k.split("=")[0] in DIVISORS for k in errors):
+        return errors  # the arithmetic below divides by these
+    _model_rules(cfg, err)
+    lay = _layout_rules(cfg, err)
+    if lay is None:
+        return errors
+    # precision, overlap and evaluation keys: each acts, or is refused here (tests/test_knobs.py)
+    _knob_rules(cfg, err)
+    _chip_rules(cfg, lay, err)
+    _data_rules(cfg, err)
+    return errors
 
+
+# keys the layout rules divide by: when one of them is broken, those rules are not checked
+DIVISORS = (
+    "parallel.tp",
+    "parallel.pp",
+    "model.n_heads",
+    "model.n_layers",
+    "trainer.micro_batch",
+    "trainer.global_batch",
+    "launch.nnodes",
+)
+
+
+def _kv_heads(m: DictConfig) -> int:
+    return m.n_heads if m.n_kv_heads in (-1, 0) else m.n_kv_heads
+
+
+def _value_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
+    """Each key's own range: choices, positive and non-negative numbers, fractions."""
+    c, t = cfg.comm, cfg.trainer
     for key, allowed in CHOICES.items():
         if _get(cfg, key) not in allowed:
             err(f"{key}={_get(cfg, key)}: must be one of {', '.join(allowed)}")
@@ -197,25 +228,13 @@ def validate(cfg: DictConfig) -> List[str]:
         err(f"data.val_fraction={cfg.data.val_fraction}: must be in [0, 0.5)")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         err(f"trainer.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
-    if errors and any(
-        k.split("=")[0]
-        in (
-            "parallel.tp",
-            "parallel.pp",
-            "model.n_heads",
-            "model.n_layers",
-            "trainer.micro_batch",
-            "trainer.global_batch",
-            "launch.nnodes",
-        )
-        for k in errors
-    ):
-        return errors  # the arithmetic below divides by these
 
-    # model shape
+
+def _model_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
+    m, t = cfg.model, cfg.trainer
+    kv = _kv_heads(m)
     if m.d_model % m.n_heads:
         err(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}")
-    kv = m.n_heads if m.n_kv_heads in (-1, 0) else m.n_kv_heads
     if kv < 1 or m.n_heads % kv:
         err(f"model.n_kv_heads={m.n_kv_heads} does not divide model.n_heads={m.n_heads}")
     if m.pos_emb == "rope" and (m.d_model // m.n_heads) % 2:
@@ -223,10 +242,14 @@ def validate(cfg: DictConfig) -> List[str]:
     if t.seq_len > m.max_seq_len:
         err(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
 
-    # parallel layout
+
+def _layout_rules(cfg: DictConfig, err: Callable[[str], None]) -> Optional[Layout]:
+    """The parallel layout's rules; its Layout, or None when dp is broken (nothing else can be said)."""
+    m, p, t, c, chip = cfg.model, cfg.parallel, cfg.trainer, cfg.comm, cfg.chip
+    kv = _kv_heads(m)
     if int(p.dp) == 0 or int(p.dp) < -1:
         err(f"parallel.dp={p.dp}: must be positive, or -1 to fill from launch.world_size")
-        return errors
+        return None
     lay = layout(cfg)
     world = int(cfg.launch.world_size)
     if int(p.dp) == -1:
@@ -257,40 +280,7 @@ def validate(cfg: DictConfig) -> List[str]:
             f"gradient accumulation is trainer.global_batch/parallel.dp/trainer.micro_batch: set it to 1"
         )
     if lay.pp > 1:
-        # the pipeline splits each replica's batch into parallel.microbatches itself
-        if p.microbatches < lay.pp:
-            err(f"parallel.microbatches={p.microbatches} is below parallel.pp={lay.pp}: the pipeline never fills")
-        if p.microbatches == lay.pp and c.overlap and rules.dp_wrapping(lay.dp, lay.tp, str(p.dp_shard)) == "ddp":
-            # measured on dp2pp2 (gpt_tiny, llama_tiny; 1F1B and GPipe): 4 microbatches run, 2 crash
-            err(
-                f"parallel.microbatches={p.microbatches} equal to parallel.pp={lay.pp} under DDP "
-                f"(parallel.dp={lay.dp}): torch's DDP reducer fails on the pipeline's first step ('rebuilt "
-                f"parameter indices size is not same as original model parameters size'); use more "
-                f"microbatches than stages, parallel.dp_shard=fsdp or comm.overlap=false"
-            )
-        if not rem and per_replica % p.microbatches:
-            err(
-                f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
-                f"trainer.global_batch/parallel.dp={per_replica}"
-            )
-        if p.schedule == "interleaved_1f1b" and p.microbatches % lay.pp:
-            err(
-                f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={lay.pp} "
-                f"for parallel.schedule=interleaved_1f1b"
-            )
-        if p.schedule == "interleaved_1f1b" and p.virtual_stages < 2:
-            err(
-                f"parallel.virtual_stages={p.virtual_stages}: parallel.schedule=interleaved_1f1b needs at least "
-                f"2 stages per rank"
-            )
-        stages = lay.pp * rules.stages_per_rank(lay.pp, p.schedule, p.virtual_stages)
-        if stages > m.n_layers >= lay.pp:
-            err(f"parallel.pp={lay.pp} x stages per rank = {stages} stages exceeds model.n_layers={m.n_layers}")
-        if m.tie_embeddings:
-            err(
-                f"model.tie_embeddings=true with parallel.pp={lay.pp}: the embedding and the head sit on "
-                f"different stages; set model.tie_embeddings=false"
-            )
+        _pipeline_rules(cfg, lay, per_replica, rem, err)
     if c.compression != "none" and (lay.dp == 1 or lay.tp > 1 or p.dp_shard != "ddp"):
         err(
             f"comm.compression={c.compression} applies to DDP gradient all-reduces: it needs parallel.dp>1, "
@@ -299,10 +289,52 @@ def validate(cfg: DictConfig) -> List[str]:
     if p.sequence_parallel and lay.tp == 1:
         err("parallel.sequence_parallel=true needs parallel.tp>1")
 
-    # precision, overlap and evaluation keys: each acts, or is refused here (tests/test_knobs.py)
-    _knob_rules(cfg, err)
+    return lay
 
-    # the chip
+
+def _pipeline_rules(cfg: DictConfig, lay: Layout, per_replica: int, rem: int, err: Callable[[str], None]) -> None:
+    """A pipeline's: microbatches that fill it and divide the replica's batch, its schedule's
+    stages, an untied head."""
+    m, p, c = cfg.model, cfg.parallel, cfg.comm
+    # the pipeline splits each replica's batch into parallel.microbatches itself
+    if p.microbatches < lay.pp:
+        err(f"parallel.microbatches={p.microbatches} is below parallel.pp={lay.pp}: the pipeline never fills")
+    if p.microbatches == lay.pp and c.overlap and rules.dp_wrapping(lay.dp, lay.tp, str(p.dp_shard)) == "ddp":
+        # measured on dp2pp2 (gpt_tiny, llama_tiny; 1F1B and GPipe): 4 microbatches run, 2 crash
+        err(
+            f"parallel.microbatches={p.microbatches} equal to parallel.pp={lay.pp} under DDP "
+            f"(parallel.dp={lay.dp}): torch's DDP reducer fails on the pipeline's first step ('rebuilt "
+            f"parameter indices size is not same as original model parameters size'); use more "
+            f"microbatches than stages, parallel.dp_shard=fsdp or comm.overlap=false"
+        )
+    if not rem and per_replica % p.microbatches:
+        err(
+            f"parallel.microbatches={p.microbatches} does not divide the per-replica batch "
+            f"trainer.global_batch/parallel.dp={per_replica}"
+        )
+    if p.schedule == "interleaved_1f1b" and p.microbatches % lay.pp:
+        err(
+            f"parallel.microbatches={p.microbatches} must be a multiple of parallel.pp={lay.pp} "
+            f"for parallel.schedule=interleaved_1f1b"
+        )
+    if p.schedule == "interleaved_1f1b" and p.virtual_stages < 2:
+        err(
+            f"parallel.virtual_stages={p.virtual_stages}: parallel.schedule=interleaved_1f1b needs at least "
+            f"2 stages per rank"
+        )
+    stages = lay.pp * rules.stages_per_rank(lay.pp, p.schedule, p.virtual_stages)
+    if stages > m.n_layers >= lay.pp:
+        err(f"parallel.pp={lay.pp} x stages per rank = {stages} stages exceeds model.n_layers={m.n_layers}")
+    if m.tie_embeddings:
+        err(
+            f"model.tie_embeddings=true with parallel.pp={lay.pp}: the embedding and the head sit on "
+            f"different stages; set model.tie_embeddings=false"
+        )
+
+
+def _chip_rules(cfg: DictConfig, lay: Layout, err: Callable[[str], None]) -> None:
+    """What the chip supports and holds, the fault drills' ranks and layers."""
+    m, t, chip = cfg.model, cfg.trainer, cfg.chip
     for key in ("precision.param_dtype", "precision.compute_dtype"):
         if _get(cfg, key) in DTYPES and _get(cfg, key) not in chip.dtypes:
             err(f"{key}={_get(cfg, key)} is not supported by chip={chip.name} (supports {', '.join(chip.dtypes)})")
@@ -333,7 +365,10 @@ def validate(cfg: DictConfig) -> List[str]:
         err(f"trainer.fault.nan_layer={t.fault.nan_layer} is not a layer of model.n_layers={m.n_layers}")
     _hang_rules(t.fault, int(t.steps), lay.world_size, err)
 
-    # data
+
+def _data_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
+    """The corpus, the tracking experiment, the local Ray cluster's CPUs."""
+    m, t = cfg.model, cfg.trainer
     d = cfg.data
     if d.name == "memmap":
         if not d.path:
@@ -349,7 +384,6 @@ def validate(cfg: DictConfig) -> List[str]:
     ray = cfg.launch.get("ray")
     if ray is not None and ray.num_cpus is not None and int(ray.num_cpus) < 1:
         err(f"launch.ray.num_cpus={ray.num_cpus}: must be positive (or null: all of this machine's CPUs)")
-    return errors
 
 
 def cluster_errors(cfg: DictConfig, nodes: int) -> List[str]:
