@@ -266,7 +266,7 @@ def command(overrides: Iterable[str]) -> str:
         o.startswith("hydra.mode=") for o in overrides
     ):
         overrides.append("hydra.mode=RUN")
-    return " ".join(["python", "-m", "orchestrator", *(shlex.quote(o) for o in overrides)])
+    return tracking.command(overrides)
 
 
 def fmt(v: Optional[float], digits: int = 4) -> str:

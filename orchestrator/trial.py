@@ -99,7 +99,7 @@ def trial_tags(cfg: DictConfig, lay: Optional[Layout] = None) -> Dict[str, str]:
         "emulated": str(bool(cfg.chip.emulate)).lower(),
         "model": cfg.model.name,
         "precision": cfg.precision.name,
-        "layout": f"dp{lay.dp}tp{lay.tp}pp{lay.pp}",
+        "layout": lay.name,
         "world_size": str(lay.world_size),
     }
     f = cfg.trainer.fault
@@ -294,7 +294,7 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
         result["run_id"] or "(untracked)",
         chip.name,
         " (emulated)" if chip.emulate else "",
-        f"dp{lay.dp}tp{lay.tp}pp{lay.pp}",
+        lay.name,
         lay.world_size,
     )
     # torch's elastic launcher turns SIGINT/SIGTERM into its own SignalException (an Exception,

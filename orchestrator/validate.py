@@ -89,6 +89,11 @@ class Layout:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    @property
+    def name(self) -> str:
+        """``dp2tp2pp1``: how runs, reports and the planner name a layout."""
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}"
+
 
 def layout(cfg: DictConfig) -> Layout:
     """dp x tp x pp, with ``parallel.dp=-1`` filled from ``launch.world_size`` (or, when that is

@@ -203,8 +203,7 @@ def kendall_tau(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
 
 
 def layout_name(cfg: DictConfig) -> str:
-    lay = layout(cfg)
-    return f"dp{lay.dp}tp{lay.tp}pp{lay.pp}"
+    return layout(cfg).name
 
 
 def trial_parts(cfg: DictConfig) -> StepParts:
