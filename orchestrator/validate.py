@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
+import numpy as np
 from omegaconf import DictConfig
 
 from orchestrator import chips
@@ -33,7 +34,7 @@ CHOICES = {
     "model.mlp": ("gelu", "swiglu"),
     "model.pos_emb": ("learned", "rope"),
     "model.attn_impl": ("fused", "decomposed", "npu_fused"),
-    "data.name": ("stdlib", "memmap", "synthetic"),
+    "data.name": ("stdlib", "memmap", "megatron", "synthetic"),
     "trainer.measure": ("fixed", "adaptive"),
     "launch.start_method": ("spawn", "forkserver", "fork"),
     "trainer.fault.inject": ("nan", "overflow", "hang"),
@@ -382,6 +383,8 @@ def _data_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
             err(f"data.path={d.path}: no such file")
         elif Path(d.path).expanduser().stat().st_size < 2 * (t.seq_len + 1):
             err(f"data.path={d.path}: holds fewer than trainer.seq_len+1={t.seq_len + 1} uint16 tokens")
+    if d.name == "megatron":
+        _megatron_rules(d, m, t, err)
     if d.name == "stdlib" and m.vocab_size < 256:
         err(f"model.vocab_size={m.vocab_size}: data=stdlib is byte-level and needs at least 256")
     if not cfg.tracking.experiment:
@@ -389,6 +392,31 @@ def _data_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
     ray = cfg.launch.get("ray")
     if ray is not None and ray.num_cpus is not None and int(ray.num_cpus) < 1:
         err(f"launch.ray.num_cpus={ray.num_cpus}: must be positive (or null: all of this machine's CPUs)")
+
+
+def _megatron_rules(d: DictConfig, m: DictConfig, t: DictConfig, err: Callable[[str], None]) -> None:
+    """Indexed corpora that open, hold a window, stay below the vocabulary, with one weight each."""
+    from trainers.indexed import IndexedError, IndexedTokens
+
+    if not d.prefixes:
+        err("data.prefixes: data=megatron needs the prefix of at least one PREFIX.bin/PREFIX.idx pair")
+        return
+    if d.weights and (len(d.weights) != len(d.prefixes) or min(d.weights) <= 0):
+        err(f"data.weights={list(d.weights)}: one positive weight per prefix ({len(d.prefixes)}), or none")
+    for i, prefix in enumerate(d.prefixes):
+        try:
+            ix = IndexedTokens(Path(str(prefix)).expanduser())
+        except IndexedError as e:
+            err(f"data.prefixes[{i}]={prefix}: {e}")
+            continue
+        if ix.n_tokens < t.seq_len + 1:
+            err(
+                f"data.prefixes[{i}]={prefix}: holds {ix.n_tokens} tokens, fewer than trainer.seq_len+1={t.seq_len + 1}"
+            )
+        elif ix.dtype.kind not in "iu" or np.iinfo(ix.dtype).max >= m.vocab_size:
+            top = ix.max_token()  # one pass over the file, only where its dtype can exceed the vocabulary
+            if top >= m.vocab_size:
+                err(f"data.prefixes[{i}]={prefix}: token id {top} is not below model.vocab_size={m.vocab_size}")
 
 
 def cluster_errors(cfg: DictConfig, nodes: int) -> List[str]:

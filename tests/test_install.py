@@ -169,6 +169,7 @@ def test_console_scripts_run_from_another_directory(tmp_path):
         ("orchestrator-best", ["--tracking-uri", "sqlite:///typo.db"], 2, "error: --tracking-uri=sqlite:///typo.db"),
         ("orchestrator-plan", ["parallel.tpp=2"], 2, "error: "),
         ("orchestrator", ["parallel.tpp=2"], 2, "parallel.tpp"),
+        ("orchestrator-data", ["--inspect", "nope"], 2, "error: nope.idx: no such file"),
     ]
     for name, args, code, needle in cases:
         proc = _script(name, *args, cwd=tmp_path)

@@ -119,8 +119,12 @@ class CommConfig:
 class DataConfig:
     """Token data (``trainers/data.py``)."""
 
-    name: str = "stdlib"  # stdlib | memmap | synthetic
+    name: str = "stdlib"  # stdlib | memmap | megatron | synthetic
     path: Optional[str] = None  # uint16 token file (data=memmap)
+    # data=megatron: Megatron indexed corpora (PREFIX.bin + PREFIX.idx), blended by weights (none:
+    # equal); python -m orchestrator.data writes them from text or JSONL
+    prefixes: List[str] = field(default_factory=list)
+    weights: List[float] = field(default_factory=list)
     cache_dir: Optional[str] = None  # where the stdlib corpus is cached; default: default_cache_dir()
     max_corpus_mb: int = 16
     val_fraction: float = 0.01  # the tail of the corpus held out for trainer.eval_every

@@ -1,4 +1,5 @@
-"""Token data: a real offline corpus, user memmap files, or synthetic tokens.
+"""Token data: a real offline corpus, user memmap files, corpora in Megatron's indexed format
+(one prefix, or several blended by weight: ``trainers/indexed.py``), or synthetic tokens.
 
 Every data-parallel rank reads its own slice of each global batch through a DataLoader with
 worker processes and prefetch. The order is a pure function of (seed, step), so a run resumes
@@ -12,7 +13,7 @@ import hashlib
 import os
 import sysconfig
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -62,11 +63,14 @@ def stdlib_corpus(cache_dir: Optional[str] = None, max_mb: int = 16) -> Path:
 
 
 class TokenWindows(Dataset):
-    """Non-overlapping windows of ``seq_len + 1`` tokens over a flat uint16 token file."""
+    """Non-overlapping windows of ``seq_len + 1`` tokens over a flat token file (uint16, or the
+    dtype of a Megatron index), across document boundaries as Megatron's GPT dataset reads them."""
 
-    def __init__(self, path: str | Path, seq_len: int, split: str = "train", val_fraction: float = 0.0):
-        self.path, self.seq_len = str(path), seq_len
-        n_tokens = os.path.getsize(self.path) // 2
+    def __init__(
+        self, path: str | Path, seq_len: int, split: str = "train", val_fraction: float = 0.0, dtype=np.uint16
+    ):
+        self.path, self.seq_len, self.dtype = str(path), seq_len, np.dtype(dtype)
+        n_tokens = os.path.getsize(self.path) // self.dtype.itemsize
         n_val = int(n_tokens * val_fraction)
         self.lo, self.hi = (0, n_tokens - n_val) if split == "train" else (n_tokens - n_val, n_tokens)
         self.n = max(0, (self.hi - self.lo - 1) // seq_len)
@@ -77,10 +81,36 @@ class TokenWindows(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
         start = self.lo + i * self.seq_len
         w = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
         return w[:-1], w[1:]
+
+
+class BlendedWindows(Dataset):
+    """Several datasets interleaved by weight: position ``i`` of the blend is the next unread
+    window of the dataset whose share is most behind at ``i`` (each dataset's ``j``-th window is
+    due at ``(j + 0.5) / weight``; all merged by due time, ties by dataset order), as Megatron's
+    blended dataset spreads its parts. A part asked for more windows than it has starts over. The
+    order is a function of the lengths and weights only; the sampler shuffles it by seed."""
+
+    def __init__(self, parts: List[Dataset], weights: List[float]):
+        w = np.asarray(weights, dtype=np.float64)
+        w = w / w.sum()
+        self.parts, self.n = parts, sum(len(p) for p in parts)
+        due = [(np.arange(int(np.ceil(wk * self.n)) + 1) + 0.5) / wk for wk in w]
+        which = np.concatenate([np.full(len(d), k, dtype=np.int64) for k, d in enumerate(due)])
+        order = np.lexsort((which, np.concatenate(due)))[: self.n]
+        self.which = which[order]
+        rank = np.concatenate([np.arange(len(d), dtype=np.int64) for d in due])[order]
+        sizes = np.asarray([max(1, len(p)) for p in parts], dtype=np.int64)
+        self.index = rank % sizes[self.which]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.parts[int(self.which[i])][int(self.index[i])]
 
 
 class SyntheticTokens(Dataset):
@@ -136,6 +166,16 @@ class StepSampler(Sampler[int]):
 def build_dataset(args: DataConfig, seq_len: int, vocab_size: int, seed: int, split: str = "train") -> Dataset:
     if args.name == "synthetic":
         return SyntheticTokens(vocab_size, seq_len, seed + (0 if split == "train" else 1))
+    if args.name == "megatron":
+        from trainers.indexed import IndexedTokens
+
+        parts: List[Dataset] = []
+        for prefix in args.prefixes:
+            ix = IndexedTokens(prefix)
+            parts.append(TokenWindows(ix.bin_path, seq_len, split, args.val_fraction, ix.dtype))
+        if len(parts) == 1:
+            return parts[0]
+        return BlendedWindows(parts, list(args.weights) or [1.0] * len(parts))
     path = args.path if args.name == "memmap" else stdlib_corpus(args.cache_dir, args.max_corpus_mb)
     return TokenWindows(path, seq_len, split, args.val_fraction)
 
