@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import chips, mlflow_reporter, mlflow_store, mlflow_ui, planner, ray_trial, sweep, tracking
+from orchestrator import chips, hf_model, mlflow_reporter, mlflow_store, mlflow_ui, planner, ray_trial, sweep, tracking
 from orchestrator.launch import TrialFailed, launch_local, start_workers_early, trial_nodes
 from orchestrator.ray_trial import BoardSlot, Placement
 from orchestrator.validate import Layout, cluster_errors, layout, validate
@@ -64,6 +64,9 @@ def resolve(cfg: DictConfig, launcher: Optional[str] = None) -> ResolvedTrial:
     the layout and the launch path. ``launcher``: None chooses (Ray when the trial spans nodes or
     a cluster address is set, else local), "local" or "ray" (``hydra/launcher=ray``) forces one."""
     chips.resolve(cfg)
+    why = hf_model.apply(cfg)
+    if why:
+        raise ConfigError([why])
     lay = layout(cfg)
     nodes = trial_nodes(lay.world_size, int(cfg.chip.devices_per_node), int(cfg.launch.nnodes))
     errors = validate(cfg) + ray_trial.launch_errors(cfg.chip, cfg.launch, lay.world_size, nodes)

@@ -41,6 +41,8 @@ CHOICES = {
 }
 POSITIVE = (
     "model.vocab_size",
+    "model.rope_theta",
+    "model.norm_eps",
     "model.d_model",
     "model.n_layers",
     "model.n_heads",
@@ -236,9 +238,22 @@ def _value_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
         err(f"trainer.min_lr_ratio={t.min_lr_ratio}: must be in [0, 1]")
 
 
+ROPE_SCALING_KEYS = {"rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+
+
 def _model_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
     m, t = cfg.model, cfg.trainer
     kv = _kv_heads(m)
+    sc = dict(m.rope_scaling or {})
+    if sc and (sc.get("rope_type") != "llama3" or set(sc) != ROPE_SCALING_KEYS):
+        err(
+            f"model.rope_scaling={sc}: the trainer builds Llama 3.1's scaling only: rope_type=llama3 with "
+            f"{', '.join(sorted(ROPE_SCALING_KEYS - {'rope_type'}))}"
+        )
+    elif sc and not float(sc["high_freq_factor"]) > float(sc["low_freq_factor"]) > 0:
+        err(f"model.rope_scaling: high_freq_factor must exceed low_freq_factor, both positive ({sc})")
+    if sc and m.pos_emb != "rope":
+        err("model.rope_scaling applies to model.pos_emb=rope")
     if m.d_model % m.n_heads:
         err(f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}")
     if kv < 1 or m.n_heads % kv:

@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from orchestrator import auto_report, chips, results, sweep, tracking
+from orchestrator import auto_report, chips, hf_model, results, sweep, tracking
 from orchestrator.planner.search import base_config
 from orchestrator.planner.space import Space, candidate_config
 from orchestrator.validate import SCHEDULES
@@ -157,6 +157,9 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
         _fail_study(err.errors, info)
     cfg = _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, list(arguments)))
     chips.resolve(cfg)
+    why = hf_model.apply(cfg)
+    if why:
+        _fail_study([why], info)
     devices = _devices(sweeper, cfg, auto, info)
     plan = _plan(cfg, devices, auto, info)
     # a batch: the trials the nodes hold at once (the Ray launcher runs them side by side, the

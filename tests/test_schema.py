@@ -32,6 +32,7 @@ READ_BY_CONTROL_PLANE = {
     "comm.env",
     "comm.socket_ifname",
     "trainer.checkpoint_shared",
+    "model.hf_config",  # the control plane fills the model section from it (orchestrator/hf_model.py)
     "comm.timeout_s",
     "model.name",
     "precision.name",

@@ -46,12 +46,20 @@ class ModelConfig:
     norm: str = "layernorm"  # layernorm | rmsnorm
     mlp: str = "gelu"  # gelu | swiglu
     pos_emb: str = "learned"  # learned | rope
+    rope_theta: float = 10000.0  # RoPE's base (Llama 2: 1e4, Llama 3: 5e5)
+    # Llama 3.1's RoPE frequency scaling, as its config.json states it: rope_type llama3, factor,
+    # low_freq_factor, high_freq_factor, original_max_position_embeddings; empty: none
+    rope_scaling: Dict[str, Any] = field(default_factory=dict)
+    norm_eps: float = 1e-5  # the norms' epsilon (Llama: rms_norm_eps)
     tie_embeddings: bool = False  # untied, as every preset but gpt2_small: the head may sit on another pipeline stage
     # fused (scaled_dot_product_attention) | decomposed (matmul + softmax + matmul) | npu_fused
     # (torch_npu.npu_fusion_attention, Ascend A2; what the planner maps fused attention to there)
     attn_impl: str = "fused"
     activation_checkpointing: bool = False
     dropout: float = 0.0  # attention-probability and residual dropout while training
+    # a Hugging Face model folder (or its config.json): its architecture fills the keys above
+    # (orchestrator/hf_model.py); weights are not loaded yet
+    hf_config: Optional[str] = None
 
     @property
     def kv_heads(self) -> int:

@@ -61,11 +61,32 @@ class LayerNorm(nn.LayerNorm):
 
 
 def make_norm(args: ModelConfig) -> nn.Module:
-    return RMSNorm(args.d_model) if args.norm == "rmsnorm" else LayerNorm(args.d_model)
+    if args.norm == "rmsnorm":
+        return RMSNorm(args.d_model, eps=args.norm_eps)
+    return LayerNorm(args.d_model, eps=args.norm_eps)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE frequencies for a longer context (Meta's reference ``apply_scaling``, the
+    rule its config.json's ``rope_scaling`` names ``llama3``): wavelengths shorter than
+    ``original / high_freq_factor`` kept, longer than ``original / low_freq_factor`` divided by
+    ``factor``, those between blended linearly in ``original / wavelength``."""
+    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(
+        wavelen < original / high, inv_freq, torch.where(wavelen > original / low, inv_freq / factor, blended)
+    )
+
+
+def rope_tables(
+    head_dim: int, seq_len: int, theta: float = 10000.0, scaling: Optional[dict] = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling:
+        inv_freq = llama3_scaled(inv_freq, scaling)
     angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -189,7 +210,8 @@ class GPT(nn.Module):
 
     def init_buffers(self) -> None:
         if self.args.pos_emb == "rope":
-            cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len)
+            a = self.args
+            cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta, dict(a.rope_scaling or {}))
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 

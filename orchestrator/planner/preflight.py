@@ -71,7 +71,12 @@ def state_bytes_per_rank(cfg: DictConfig) -> List[Dict[str, int]]:
 
 def resolved(cfg: DictConfig) -> DictConfig:
     """A copy with the chip filled in (detected when no ``+chip=NAME`` was given)."""
+    from orchestrator import hf_model
+
     cfg = copy.deepcopy(cfg)
+    why = hf_model.apply(cfg)
+    if why:
+        raise ValueError(why)
     return chips.resolve(cfg)
 
 
