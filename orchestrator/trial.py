@@ -196,7 +196,7 @@ def _journal(run_id: str) -> str:
         from hydra.core.hydra_config import HydraConfig
 
         base = Path(HydraConfig.get().runtime.output_dir)
-    except (ImportError, ValueError):  # not a Hydra job (a test, a notebook)
+    except Exception:  # noqa: BLE001 - not a Hydra job (a test, a notebook), or one without an output dir (--cfg)
         base = Path.cwd()
     return str(base / f"mlflow_journal_{run_id}.jsonl")
 

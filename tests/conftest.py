@@ -126,6 +126,9 @@ def cli_in_process(args, cwd, monkeypatch, capfd, **env):
         code = exc.code if isinstance(exc.code, int) else 1
     finally:
         GlobalHydra.instance().clear()
+        from hydra.core.hydra_config import HydraConfig
+
+        HydraConfig.instance().cfg = None  # a --cfg run leaves a config without an output dir behind
     out, err = capfd.readouterr()
     return code, out, err
 
