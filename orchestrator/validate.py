@@ -7,6 +7,7 @@ job (the dataclass schemas); what is here needs more than one key, the chip, or 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -409,6 +410,14 @@ def _data_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
         err(f"launch.ray.num_cpus={ray.num_cpus}: must be positive (or null: all of this machine's CPUs)")
 
 
+@functools.lru_cache(maxsize=64)
+def _max_token(prefix: str, size: int, mtime_ns: int) -> int:
+    """The largest token id of a corpus (``size`` and ``mtime_ns`` of its ``.bin`` key the cache)."""
+    from trainers.indexed import IndexedTokens
+
+    return IndexedTokens(prefix).max_token()
+
+
 def _megatron_rules(d: DictConfig, m: DictConfig, t: DictConfig, err: Callable[[str], None]) -> None:
     """Indexed corpora that open, hold a window, stay below the vocabulary, with one weight each."""
     from trainers.indexed import IndexedError, IndexedTokens
@@ -429,7 +438,10 @@ def _megatron_rules(d: DictConfig, m: DictConfig, t: DictConfig, err: Callable[[
                 f"data.prefixes[{i}]={prefix}: holds {ix.n_tokens} tokens, fewer than trainer.seq_len+1={t.seq_len + 1}"
             )
         elif ix.dtype.kind not in "iu" or np.iinfo(ix.dtype).max >= m.vocab_size:
-            top = ix.max_token()  # one pass over the file, only where its dtype can exceed the vocabulary
+            # one pass over the file, only where its dtype can exceed the vocabulary, and once per
+            # file version: a trial validates its config several times
+            st = os.stat(ix.bin_path)
+            top = _max_token(ix.prefix, st.st_size, st.st_mtime_ns)
             if top >= m.vocab_size:
                 err(f"data.prefixes[{i}]={prefix}: token id {top} is not below model.vocab_size={m.vocab_size}")
 
