@@ -10,8 +10,9 @@ elastic launcher, the trainer, MLflow in a temporary sqlite store), of two model
 - ``gpt2_small`` (124M) at its full context: 16 sequences of 1024 tokens a step, micro-batches
   of 8 (two accumulated), 40 steps, the first 10 not timed;
 - ``llama_1b`` (``conf/model/llama_1b.yaml``, 1.04B, grouped-query attention) at 2048 tokens:
-  16 sequences a step in one micro-batch of 16, which the planner puts at about 74 GiB of the
-  H200's 141 GB (params, grads and AdamW state 15.5, activations 54), 10 steps, 3 not timed;
+  16 sequences a step in one micro-batch of 16, which the planner puts at 95.6 GiB of the
+  H200's 141 GB (params, grads and AdamW state 15.5, activations and the loss's peak 74.2, the
+  runtime reserve 6.0; 87.9 allocated on one on 2026-12-04), 10 steps, 3 not timed;
 
 each in bf16 and fp16, compile off, then compile on (the device's default backend, per block) in
 bf16 and then fp16 while the time budget (``--budget-s``, 480) allows: a row whose estimate (the
@@ -56,7 +57,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -76,6 +77,8 @@ COLUMNS = [
     ("allocated_gb", "{:.2f}"),
     ("device_used_gb", "{:.2f}"),
     ("plan_over_reserved", "{:.2f}"),
+    ("planned_alloc_gb", "{:.2f}"),
+    ("alloc_plan_over_measured", "{:.2f}"),
     ("compute_share", "{:.1%}"),
     ("comm_share", "{:.1%}"),
     ("plain_step_s", "{:.4f}"),
@@ -183,6 +186,9 @@ def run_row(row: dict, dry: bool, uri: str, steps: int, workdir: Path) -> dict:
         return {**row, "status": "config error", "reason": "; ".join(err.errors), "overrides": ov}
     s = result.get("summary") or {}
     pre = result.get("preflight") or {}
+    parts = pre.get("memory_gb") or {}
+    terms = [parts.get(k) for k in ("params", "grads", "optimizer", "activations")]
+    alloc = sum(terms) if None not in terms else None
     out = {
         **row,
         "chip": cfg.chip.name,
@@ -196,6 +202,9 @@ def run_row(row: dict, dry: bool, uri: str, steps: int, workdir: Path) -> dict:
         "allocated_gb": s.get("peak_mem_gb"),
         "device_used_gb": s.get("device_mem_used_gb"),
         "plan_over_reserved": s.get("mem_plan_ratio"),
+        # what the caching allocator holds of the plan (no runtime reserve, no NCCL buffers)
+        "planned_alloc_gb": alloc,
+        "alloc_plan_over_measured": alloc / s["peak_mem_gb"] if alloc and s.get("peak_mem_gb") else None,
         "compute_share": s.get("compute_share"),
         "comm_share": s.get("comm_share"),
         "trial_wall_s": time.perf_counter() - t0,
@@ -307,7 +316,8 @@ def check_dry(rows: list[dict], comm: dict) -> list[str]:
     only if the chip has no peak)."""
     problems = []
     needed = ["step_s", "tokens_per_s", "mfu", "planned_gb", "reserved_gb", "allocated_gb", "device_used_gb"]
-    needed += ["plan_over_reserved", "plain_step_s", "plain_mfu", "trainer_over_plain"]
+    needed += ["plan_over_reserved", "planned_alloc_gb", "alloc_plan_over_measured"]
+    needed += ["plain_step_s", "plain_mfu", "trainer_over_plain"]
     for r in rows:
         if r["status"] != "finished":
             problems.append(f"{r['case']}: {r['status']} {r.get('reason', '')}")
@@ -327,11 +337,19 @@ def check_dry(rows: list[dict], comm: dict) -> list[str]:
     return problems
 
 
-def run_rows(dry: bool, count: int, uri: str, steps: int, workdir: Path, deadline: float) -> List[dict]:
-    """Each row's trial, in order, while its estimate (and the plain loops and communicator
-    check still to come) ends before ``deadline``."""
+def run_rows(
+    dry: bool, count: int, uri: str, steps: int, workdir: Path, deadline: float, only: Optional[List[str]] = None
+) -> List[dict]:
+    """Each row's trial, in order (of ``only``'s cases, when given), while its estimate (and the
+    plain loops and communicator check still to come) ends before ``deadline``."""
     rows: List[dict] = []
-    for row in cases(dry, count):
+    chosen = cases(dry, count)
+    if only:
+        unknown = sorted(set(only) - {r["case"] for r in chosen})
+        if unknown:
+            raise SystemExit(f"--only: no case {', '.join(map(repr, unknown))} (cases: {[r['case'] for r in chosen]})")
+        chosen = [r for r in chosen if r["case"] in only]
+    for row in chosen:
         trial_s = estimate_s(row, rows, dry)
         pending = sum(PLAIN_SHARE * r["trial_wall_s"] for r in rows if r.get("trial_wall_s"))
         if time.perf_counter() + trial_s * (1 + PLAIN_SHARE) + pending + COMM_RESERVE_S > deadline:
@@ -349,6 +367,9 @@ def main() -> int:
         "--budget-s", type=float, default=None, help="the whole check's time, rows past it skipped (480; dry: none)"
     )
     ap.add_argument("--out", default=os.environ.get("OUT"), help="also write device_check.md/.json here")
+    ap.add_argument(
+        "--only", nargs="+", default=None, help="run only these cases, by their names ('llama_1b bf16+compile')"
+    )
     args = ap.parse_args()
 
     from bench.comm_memory import device_kind
@@ -362,7 +383,7 @@ def main() -> int:
     deadline = started + budget
     with tempfile.TemporaryDirectory() as tmp:
         uri = "sqlite:///" + str(Path(tmp) / "mlruns.db")
-        rows = run_rows(dry, count, uri, args.steps, Path(tmp), deadline)
+        rows = run_rows(dry, count, uri, args.steps, Path(tmp), deadline, args.only)
         os.chdir(ROOT)
     comm = comm_memory_row(dry)
     # last: this process takes the device only once no trial or communicator check needs it clean

@@ -36,6 +36,9 @@
   ``((p - rank - 1) 2 + (v - 1) p + 1) / v`` (for rank 0, ``p (1 + (p-1)/(p v))``), and ``min(m,
   p)`` on every rank for ZB-V (Qi et al. 2024: the same peak as 1F1B); the head and loss once
   (every microbatch's under GPipe).
+- the loss's own peak (:func:`loss_transient_bytes`): the gradients its backward allocates over
+  the vocabulary, not saved tensors but on top of them at the step's peak; counted in
+  ``activations`` of the head's rank.
 - buffers: HCCL allocates ``2 x HCCL_BUFFSIZE`` per communicator (CANN environment variable
   reference, HCCL_BUFFSIZE: "每个通信域占用 2*HCCL_BUFFSIZE 大小的内存"), NCCL per channel and
   ring neighbour its three protocols' buffers (:func:`communicator_bytes`, ~294 MiB with 16
@@ -257,6 +260,24 @@ def head_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab
     return _norm_bytes(m, T / (tp if sp else 1), ab) + T * m.d * ab.linear + loss
 
 
+def loss_transient_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes) -> float:
+    """What the loss allocates beyond what it saves, at its own peak, over the rank's vocabulary
+    shard of ``T = b * seq`` tokens: the plain cross-entropy's backward holds the fp32 gradient
+    of its log-softmax output (``nll_loss``'s, dense) beside the fp32 gradient it makes of the
+    logits (8 bytes a logit; the forward's head output and its fp32 copy, 6, are fewer); the
+    vocab-parallel loss computes its gradient in place on the saved softmax, so its peak is in
+    the forward, where the head's output and its fp32 copy (one tensor when the output is fp32)
+    stand beside the softmax being built. Not saved tensors, so not in
+    :func:`rank_activation_bytes`; measured with every other allocation of a step in
+    ``tests/test_step_peak.py``; on an H200 (``bench/device_check.py``, docs/benchmarks.md) the
+    plan's allocator-side terms were 3.99 GiB (gpt2_small) and 7.96 GiB (llama_1b) under the
+    allocator's peak without it, and 0.99 and 1.02 of it with it."""
+    logits = b * seq * -(-m.vocab // tp)
+    if tp == 1:
+        return 8.0 * logits
+    return (4.0 + (ab.linear if ab.linear < 4 else 0)) * logits
+
+
 def head_weight_cast_bytes(m: ModelShape, tp: int, ab: ActBytes) -> float:
     return m.vocab * m.d / tp * ab.linear if ab.weight_casts else 0.0
 
@@ -427,6 +448,8 @@ def compose_memory_plan(
         rc = contents(rank)
         st = state(rank)
         act = rank_activation_bytes(m, s, rc, rank, ab)
+        if rc.head:  # the loss's own peak sits on top of what the rank saves
+            act += loss_transient_bytes(m, s.seq_len, s.micro_batch, s.tp, ab)
         n_comm = communicators(s, rank)
         plan = MemoryPlan(
             params=float(st.params),
