@@ -7,8 +7,15 @@ and NeMo train from, so one prepared corpus serves this tool and a team's produc
 
 Each JSONL line is a document (its ``--json-key`` field, default ``text``); any other file is one
 document. Tokenizer: ``bytes`` (UTF-8 bytes, ids 0-255: the vocabulary of the bundled ``stdlib``
-corpus and the tiny presets). A Hugging Face ``tokenizer.json`` or a SentencePiece model is not
-read yet (issue 29). Bad input is one ``error:`` line and exit 2, nothing written.
+corpus and the tiny presets), or a Hugging Face ``tokenizer.json`` (the file, or the model folder
+holding it; read by the ``tokenizers`` package, the optional extra ``hf``), with
+``--append-eod`` adding the end-of-document id after each document as Megatron's
+``preprocess_data.py`` does (the id of ``tokenizer_config.json``'s ``eos_token``, or
+``--eod-token``). The ids are stored as uint16 below a vocabulary of 65,500 and int32 above it, as
+Megatron chooses. ``PREFIX.tokenizer.json`` beside the pair records the tokenizer and its
+vocabulary size (Megatron ignores it); the validator refuses a corpus whose tokenizer's
+vocabulary exceeds ``model.vocab_size``. A SentencePiece-only model (``tokenizer.model`` without a
+``tokenizer.json``) is not read. Bad input is one ``error:`` line and exit 2, nothing written.
 """
 
 from __future__ import annotations
@@ -43,12 +50,69 @@ def encode_bytes(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
 
 
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (the file, or a folder holding it)."""
+
+    def __init__(self, where: str, eod_token: Optional[str] = None):
+        path = Path(where).expanduser()
+        folder = path if path.is_dir() else path.parent
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            sp = (
+                " (a SentencePiece tokenizer.model alone is not read)" if (folder / "tokenizer.model").is_file() else ""
+            )
+            raise ValueError(f"--tokenizer {where}: no tokenizer.json{sp}")
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ValueError("--tokenizer: reading tokenizer.json needs the tokenizers package (pip install '.[hf]')")
+        try:
+            self.tok = Tokenizer.from_file(str(file))
+        except Exception as e:  # the Rust library's own error types
+            raise ValueError(f"--tokenizer {file}: not a tokenizer.json ({e})") from None
+        self.path, self.vocab_size = str(file), self.tok.get_vocab_size(with_added_tokens=True)
+        self.dtype = np.uint16 if self.vocab_size < 65500 else np.int32
+        self.eod: Optional[int] = None
+        name = eod_token or _eos_token(folder)
+        if name is not None:
+            self.eod = self.tok.token_to_id(name)
+            if self.eod is None:
+                raise ValueError(f"--eod-token {name}: not in {file}'s vocabulary")
+
+    def encode(self, text: str, append_eod: bool) -> np.ndarray:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if append_eod:
+            if self.eod is None:
+                raise ValueError("--append-eod: the tokenizer names no eos_token; give --eod-token")
+            ids.append(self.eod)
+        return np.asarray(ids, dtype=self.dtype)
+
+
+def _eos_token(folder: Path) -> Optional[str]:
+    """``eos_token`` of the folder's ``tokenizer_config.json`` (a string or ``{"content": ...}``)."""
+    try:
+        eos = json.loads((folder / "tokenizer_config.json").read_text()).get("eos_token")
+    except (OSError, ValueError):
+        return None
+    return eos.get("content") if isinstance(eos, dict) else eos
+
+
+def tokenizer_record(prefix: str) -> Optional[dict]:
+    """What ``PREFIX.tokenizer.json`` says (written beside a corpus by this command), or None."""
+    try:
+        return json.loads(Path(f"{prefix}.tokenizer.json").expanduser().read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m orchestrator.data", description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", nargs="+", type=Path, help="text or JSONL files")
     ap.add_argument("--output-prefix", help="writes PREFIX.bin and PREFIX.idx")
     ap.add_argument("--json-key", default="text")
-    ap.add_argument("--tokenizer", choices=("bytes",), default="bytes")
+    ap.add_argument("--tokenizer", default="bytes", help="bytes, or a tokenizer.json (or the folder holding it)")
+    ap.add_argument("--append-eod", action="store_true", help="the end-of-document id after each document")
+    ap.add_argument("--eod-token", help="that token (default: tokenizer_config.json's eos_token)")
     ap.add_argument("--inspect", metavar="PREFIX", help="print what an indexed corpus holds")
     cli.add_json_arg(ap, "the corpus's figures")
     args = ap.parse_args(argv)
@@ -65,21 +129,35 @@ def main(argv: Optional[List[str]] = None) -> int:
                 "tokens": ix.n_tokens,
                 "max_token": ix.max_token(),
             }
+            record = tokenizer_record(args.inspect)
+            if record:
+                info.update(tokenizer=record["tokenizer"], vocab_size=record["vocab_size"])
         else:
             if not args.input or not args.output_prefix:
                 raise ValueError("--input and --output-prefix: give both (or --inspect PREFIX)")
             missing = [str(p) for p in args.input if not p.is_file()]
             if missing:
                 raise ValueError(f"--input {missing[0]}: no such file")
-            docs = [encode_bytes(t) for t in documents(args.input, args.json_key)]
+            if args.tokenizer == "bytes":
+                if args.append_eod:
+                    raise ValueError("--append-eod: the bytes tokenizer has no end-of-document id")
+                dtype, vocab, name = np.uint16, 256, "bytes"
+                docs = [encode_bytes(t) for t in documents(args.input, args.json_key)]
+            else:
+                tok = HFTokenizer(args.tokenizer, args.eod_token)
+                dtype, vocab, name = tok.dtype, tok.vocab_size, tok.path
+                docs = [tok.encode(t, args.append_eod) for t in documents(args.input, args.json_key)]
             Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-            n = indexed.write(args.output_prefix, docs, np.uint16)
+            n = indexed.write(args.output_prefix, docs, dtype)
+            record = {"tokenizer": name, "vocab_size": vocab}
+            Path(f"{args.output_prefix}.tokenizer.json").write_text(json.dumps(record))
             info = {
                 "prefix": args.output_prefix,
-                "dtype": "uint16",
+                "dtype": np.dtype(dtype).name,
                 "documents": n,
                 "tokens": int(sum(len(d) for d in docs)),
-                "tokenizer": args.tokenizer,
+                "tokenizer": name,
+                "vocab_size": vocab,
             }
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

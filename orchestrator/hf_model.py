@@ -8,7 +8,7 @@ or untied head), the fields read by ``transformers``' ``LlamaConfig``. Anything 
 config with a field whose value the trainer does not build (biases in attention or MLP, another
 activation, another RoPE scaling, a head dimension other than hidden / heads), is one error line
 naming the field. The values from ``config.json`` win over ``model.*`` keys given beside it.
-Weights are not loaded yet (issue 29): the model trains from its own initialisation.
+Its weights load with ``model.hf_weights`` (``trainers/hf_weights.py``).
 """
 
 from __future__ import annotations

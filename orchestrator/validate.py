@@ -263,6 +263,27 @@ def _model_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
         err(f"model.pos_emb=rope needs an even head dimension; model.d_model/model.n_heads={m.d_model // m.n_heads}")
     if t.seq_len > m.max_seq_len:
         err(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    _weights_rules(m, t, err)
+
+
+def _weights_rules(m: DictConfig, t: DictConfig, err: Callable[[str], None]) -> None:
+    """A Hugging Face weights folder holds every tensor of the model, in its shapes (headers only);
+    the layout it loads into and exports from is a Llama one."""
+    if not (m.get("hf_weights") or t.get("export_hf")):
+        return
+    if (m.norm, m.mlp, m.pos_emb) != ("rmsnorm", "swiglu", "rope"):
+        key = "model.hf_weights" if m.get("hf_weights") else "trainer.export_hf"
+        err(
+            f"{key}: the Hugging Face layout is Llama's (model.norm=rmsnorm, model.mlp=swiglu, "
+            f"model.pos_emb=rope); this model has {m.norm}, {m.mlp}, {m.pos_emb}"
+        )
+        return
+    if m.get("hf_weights"):
+        from trainers.hf_layout import check
+
+        problem = check(str(m.hf_weights), m)
+        if problem:
+            err(f"model.hf_weights={m.hf_weights}: {problem}")
 
 
 def _layout_rules(cfg: DictConfig, err: Callable[[str], None]) -> Optional[Layout]:
@@ -420,6 +441,7 @@ def _max_token(prefix: str, size: int, mtime_ns: int) -> int:
 
 def _megatron_rules(d: DictConfig, m: DictConfig, t: DictConfig, err: Callable[[str], None]) -> None:
     """Indexed corpora that open, hold a window, stay below the vocabulary, with one weight each."""
+    from orchestrator.data import tokenizer_record
     from trainers.indexed import IndexedError, IndexedTokens
 
     if not d.prefixes:
@@ -432,6 +454,13 @@ def _megatron_rules(d: DictConfig, m: DictConfig, t: DictConfig, err: Callable[[
             ix = IndexedTokens(Path(str(prefix)).expanduser())
         except IndexedError as e:
             err(f"data.prefixes[{i}]={prefix}: {e}")
+            continue
+        record = tokenizer_record(str(Path(str(prefix)).expanduser()))
+        if record and int(record["vocab_size"]) > m.vocab_size:
+            err(
+                f"data.prefixes[{i}]={prefix}: tokenized by {record['tokenizer']} (vocabulary "
+                f"{record['vocab_size']}), larger than model.vocab_size={m.vocab_size}"
+            )
             continue
         if ix.n_tokens < t.seq_len + 1:
             err(

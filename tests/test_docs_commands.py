@@ -19,7 +19,13 @@ from tests.conftest import cli_in_process, search_runs
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # commands that run on a file an earlier documented command writes (``best --write``)
-NEEDS = {"--config-dir conf_local": "conf_local/experiment/fastest.yaml, written by `orchestrator.best --write`"}
+NEEDS = {
+    "--config-dir conf_local": "conf_local/experiment/fastest.yaml, written by `orchestrator.best --write`",
+    # the tours' own model folders and corpora (tests/test_hf_weights.py and test_tokenizer_data.py
+    # build such folders and run those flows)
+    "/models/": "a Hugging Face folder the tour made on its machine",
+    "corpus/stdlib_text_document": "the corpus the tour's orchestrator.data command writes",
+}
 
 
 class Shown(NamedTuple):

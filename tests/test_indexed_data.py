@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,8 +157,12 @@ def test_bad_corpora_are_one_line_each_exit_2_and_nothing_runs(tmp_path, monkeyp
     assert any(x.startswith("error: data.weights=[1.0]: one positive weight per prefix (2)") for x in lines), lines
     assert any(f"data.prefixes[0]={tmp_path / 'missing'}:" in x and "missing.idx: no such file" in x for x in lines)
     assert any("data.prefixes[1]=" in x and "cut.bin: 10 bytes" in x for x in lines), lines
-    code, out, err = cli_in_process(["+chip=cpu", "data=megatron", f"data.prefixes=[{a}]", "model.vocab_size=100"],
-                                    tmp_path, monkeypatch, capfd)  # fmt: skip
+    small = ["+chip=cpu", "data=megatron", f"data.prefixes=[{a}]", "model.vocab_size=100"]
+    code, out, err = cli_in_process(small, tmp_path, monkeypatch, capfd)
+    # the corpus's record of its tokenizer (written by orchestrator.data) answers first
+    assert code == 2 and "tokenized by bytes (vocabulary 256), larger than model.vocab_size=100" in err, err[-1500:]
+    Path(f"{a}.tokenizer.json").unlink()  # a corpus prepared elsewhere: its largest id is read
+    code, out, err = cli_in_process(small, tmp_path, monkeypatch, capfd)
     assert code == 2 and "is not below model.vocab_size=100" in err, err[-1500:]
     db = tmp_path / "mlruns.db"
     assert not db.exists() or search_runs(f"sqlite:///{db}") == []  # nothing launched, nothing recorded

@@ -36,6 +36,8 @@ ALLOWED_FROM_TRAINERS = {
     ("trainers", "indexed"),
     ("trainers.indexed", "IndexedTokens"),
     ("trainers.indexed", "IndexedError"),
+    # a Hugging Face weights folder's headers (json and struct, no torch), checked before launch
+    ("trainers.hf_layout", "check"),
 }
 TORCH_FREE = ("trainers.config", "trainers.rules")
 
@@ -60,6 +62,13 @@ def test_the_schema_and_the_layout_rules_import_no_torch():
         # the standard library's plain modules only (os, pathlib: trainers.config's cache folder)
         allowed = {"__future__", "dataclasses", "typing", "os", "pathlib"}
         assert _imports(path) <= allowed, (module, _imports(path))
+
+
+def test_the_weights_headers_import_no_torch():
+    # the validator checks a Hugging Face weights folder while composing a config
+    for name in ("hf_layout.py", "safetensors_format.py"):
+        allowed = {"__future__", "re", "json", "struct", "pathlib", "typing", "trainers"}
+        assert _imports(ROOT / "trainers" / name) <= allowed
 
 
 def test_the_indexed_format_imports_no_torch():

@@ -142,7 +142,8 @@ def test_live_peak_sees_the_loss_transients():
 def test_planned_step_memory_is_the_measured_peak(measured, case):
     planned, got = measured
     rows = [f"{case}: planned {planned[case] / 2**20:.2f} MiB"]
-    rows += [f"  rank {r}: measured {peak / 2**20:.2f} MiB, ratio {planned[case] / peak:.3f}" for r, peak in enumerate(got[case])]
+    for r, peak in enumerate(got[case]):
+        rows.append(f"  rank {r}: measured {peak / 2**20:.2f} MiB, ratio {planned[case] / peak:.3f}")
     table = "\n".join(rows)
     print("\n" + table)
     for peak in got[case]:

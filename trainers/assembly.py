@@ -58,6 +58,10 @@ class RankModel:
         self.n_stages = p.pp * rules.stages_per_rank(p.pp, p.schedule, p.virtual_stages)
         self.stage_ids = [sid for sid, _ in stages]
         self.modules = [m for _, m in stages]
+        if self.margs.hf_weights:  # each rank reads its shards, before any DP wrapping
+            from trainers import hf_weights
+
+            hf_weights.load(self.modules, self.margs.hf_weights, self.margs)
         for m in self.modules:
             # before wrapping: FSDP shards, and DDP buckets, the parameters as they are stored
             cast_params(m, self.pargs.param_dtype)

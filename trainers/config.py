@@ -58,8 +58,11 @@ class ModelConfig:
     activation_checkpointing: bool = False
     dropout: float = 0.0  # attention-probability and residual dropout while training
     # a Hugging Face model folder (or its config.json): its architecture fills the keys above
-    # (orchestrator/hf_model.py); weights are not loaded yet
+    # (orchestrator/hf_model.py)
     hf_config: Optional[str] = None
+    # a folder of Hugging Face safetensors (model.safetensors, or an index and its shards): the
+    # model starts from these weights instead of its own initialisation (trainers/hf_weights.py)
+    hf_weights: Optional[str] = None
 
     @property
     def kv_heads(self) -> int:
@@ -191,6 +194,9 @@ class TrainerConfig:
     # rank; default ./checkpoints/<MLflow run id> on the launching node, for one-node trials only
     checkpoint_dir: Optional[str] = None
     checkpoint_shared: bool = False  # checkpoint_dir is a path every node mounts (multi-node trials)
+    # after the last step, the model in the Hugging Face layout (safetensors, one file per pipeline
+    # stage, and the index) in this folder, on the node of each stage's first rank
+    export_hf: Optional[str] = None
     eval_every: int = 0  # steps between held-out evaluations (val_loss); 0: none
     eval_batches: int = 2  # global batches of the held-out split per evaluation
     profile: bool = False  # torch.profiler over a window of steps

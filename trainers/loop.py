@@ -53,6 +53,8 @@ def train(spec: TrialSpec, reporter: Optional[Reporter] = None) -> Optional[Dict
     for step in range(loop.start_step, loop.targs.steps):
         if loop.step(step):
             break
+    if loop.targs.export_hf:
+        loop.export_hf(loop.targs.export_hf)
     return loop.summary()
 
 
@@ -266,6 +268,15 @@ class Loop:
         return measured
 
     # -- summarised ---------------------------------------------------------------------------
+
+    def export_hf(self, folder: str) -> None:
+        """The model as it is now, in the Hugging Face layout (collective)."""
+        from trainers import hf_weights
+
+        mesh = self.model.mesh
+        writer = mesh is None or (mesh.dp_rank == 0 and mesh.tp_rank == 0)
+        pp_rank, pp = (mesh.pp_rank, self.model.p.pp) if mesh else (0, 1)
+        hf_weights.save(self.model.modules, folder, self.model.margs, pp_rank, pp, writer)
 
     def _gathered(self) -> Dict[str, Any]:
         """Every rank's figures, in rank order (every rank takes part in each gather)."""
