@@ -2,9 +2,9 @@
 rope_theta 5e5, Llama 3.1's RoPE scaling, untied head), written here as ``save_pretrained`` lays
 one out (two safetensors shards and the index), loads into the trainer's model and gives the
 logits of a reference written in Hugging Face's own convention (``rotate_half`` RoPE, repeated KV
-heads, RMSNorm, SwiGLU; below, sharing no code with ``trainers/model.py``); under tp2, pp2 and
-FSDP the first step's loss is the reference's loss on the same batch and the losses follow the
-single process's; saved back, the files hold the same bits; bad folders are one line, exit 2."""
+heads, RMSNorm, SwiGLU; below, sharing no code with ``trainers/model.py``), in one process and
+under tp2, pp2 and FSDP; in each layout the first step's loss is the reference's loss on the same
+batch and the losses follow the single process's; saved back, the files hold the same bits; bad folders are one line, exit 2."""
 
 from __future__ import annotations
 
@@ -261,6 +261,64 @@ def test_layouts_start_from_the_checkpoint(checkpoint, single_losses, layout):
     losses = result["summary"]["losses"]
     assert losses[0] == pytest.approx(want, rel=1e-5), layout
     assert losses == pytest.approx(single_losses, rel=1e-4), layout
+
+
+def _logits_worker(rank: int, world: int, port: int, specs: list, ids: torch.Tensor, out: str) -> None:
+    """Each layout's logits of ``ids`` from the rank model built with the weights: TP's vocabulary
+    shards gathered, the pipeline's hidden states sent from the first stage to the last."""
+    import os
+
+    import torch.distributed as dist
+
+    from trainers.assembly import RankModel
+    from trainers.precision import LossScaler
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cpu = torch.device("cpu")
+    got = {}
+    try:
+        for name, spec in specs:
+            model = RankModel(spec, cpu, LossScaler(spec.precision, cpu))
+            model.train(False)
+            with torch.no_grad():
+                if model.schedule is not None:  # pp2: stage 0 on rank 0, stage 1 on rank 1
+                    if model.has_first:
+                        dist.send(model.modules[0](ids).contiguous(), dst=1)
+                        continue
+                    h = torch.empty(*ids.shape, spec.model.d_model)
+                    dist.recv(h, src=0)
+                    got[name] = model.modules[0](h)
+                    continue
+                y = model.wrapped[0](ids)
+                if model.p.tp > 1:  # this rank's vocabulary shard
+                    parts = [torch.empty_like(y) for _ in range(model.p.tp)]
+                    dist.all_gather(parts, y.contiguous(), group=model.mesh.group("tp"))
+                    y = torch.cat(parts, dim=-1)
+                got[name] = y
+            dist.barrier()
+        torch.save(got, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_every_layout_gives_the_reference_logits(checkpoint, tmp_path):
+    import torch.multiprocessing as mp
+
+    from orchestrator.launch import free_port
+
+    folder, sd = checkpoint
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(3))
+    ref = ref_logits(sd, CONFIG, ids)
+    specs = [(name, trial.build_spec(trial.prepare(_compose(folder, over)))) for name, over in LAYOUTS.items()]
+    mp.spawn(_logits_worker, args=(2, free_port(), specs, ids, str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for name in LAYOUTS:
+        holders = [r[name] for r in ranks if name in r]
+        assert holders, name
+        for logits in holders:
+            torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.distributed
