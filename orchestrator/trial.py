@@ -24,7 +24,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import chips, hf_model, mlflow_reporter, mlflow_store, mlflow_ui, planner, ray_trial, sweep, tracking
+from orchestrator import chips, mlflow_reporter, mlflow_store, mlflow_ui, planner, ray_trial, sweep, tracking
+from orchestrator.filled import fill
 from orchestrator.launch import TrialFailed, launch_local, start_workers_early, trial_nodes
 from orchestrator.ray_trial import BoardSlot, Placement
 from orchestrator.validate import Layout, cluster_errors, layout, validate
@@ -63,8 +64,7 @@ def resolve(cfg: DictConfig, launcher: Optional[str] = None) -> ResolvedTrial:
     """Resolve the chip, check every rule (raise ConfigError listing all broken ones), work out
     the layout and the launch path. ``launcher``: None chooses (Ray when the trial spans nodes or
     a cluster address is set, else local), "local" or "ray" (``hydra/launcher=ray``) forces one."""
-    chips.resolve(cfg)
-    why = hf_model.apply(cfg)
+    why = fill(cfg)
     if why:
         raise ConfigError([why])
     lay = layout(cfg)

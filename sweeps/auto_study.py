@@ -40,7 +40,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from orchestrator import auto_report, chips, hf_model, results, sweep, tracking
+from orchestrator import auto_report, results, sweep, tracking
+from orchestrator.filled import fill
 from orchestrator.planner.search import base_config
 from orchestrator.planner.space import Space, candidate_config
 from orchestrator.validate import SCHEDULES
@@ -156,8 +157,7 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
     except StudyError as err:
         _fail_study(err.errors, info)
     cfg = _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, list(arguments)))
-    chips.resolve(cfg)
-    why = hf_model.apply(cfg)
+    why = fill(cfg)
     if why:
         _fail_study([why], info)
     devices = _devices(sweeper, cfg, auto, info)

@@ -10,7 +10,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, open_dict
 
-from orchestrator import chips, effects, results, sweep, tracking, trial
+from orchestrator import effects, results, sweep, tracking, trial
+from orchestrator.filled import fill
 from orchestrator.results import Point
 from sweeps.ovat_spec import Study
 
@@ -67,7 +68,8 @@ class Runner:
         cfgs = []
         for v in self.study.variables[key]:
             cfg = self.compose(self.study.overrides({**current, key: v}))
-            cfgs.append(chips.resolve(cfg))
+            fill(cfg)  # a folder that does not read fails the trial itself, with its reason
+            cfgs.append(cfg)
         return effects.no_effect(cfgs, key)
 
     def _finished(self, p: Point) -> List[Any]:

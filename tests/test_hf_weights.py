@@ -4,7 +4,8 @@ one out (two safetensors shards and the index), loads into the trainer's model a
 logits of a reference written in Hugging Face's own convention (``rotate_half`` RoPE, repeated KV
 heads, RMSNorm, SwiGLU; below, sharing no code with ``trainers/model.py``), in one process and
 under tp2, pp2 and FSDP; in each layout the first step's loss is the reference's loss on the same
-batch and the losses follow the single process's; saved back, the files hold the same bits; bad folders are one line, exit 2."""
+batch and the losses follow the single process's; saved back, the files hold the same bits; bad
+folders are one line, exit 2."""
 
 from __future__ import annotations
 

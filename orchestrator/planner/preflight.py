@@ -10,7 +10,6 @@ from typing import Any, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import chips
 from orchestrator.planner.memory import MemoryPlan, memory_plan, model_state_bytes
 from orchestrator.planner.ops import op_coverage
 from orchestrator.planner.shapes import GiB, ModelShape, ParallelShape
@@ -71,13 +70,13 @@ def state_bytes_per_rank(cfg: DictConfig) -> List[Dict[str, int]]:
 
 def resolved(cfg: DictConfig) -> DictConfig:
     """A copy with the chip filled in (detected when no ``+chip=NAME`` was given)."""
-    from orchestrator import hf_model
+    from orchestrator.filled import fill
 
     cfg = copy.deepcopy(cfg)
-    why = hf_model.apply(cfg)
+    why = fill(cfg)
     if why:
         raise ValueError(why)
-    return chips.resolve(cfg)
+    return cfg
 
 
 def planning_errors(cfg: DictConfig) -> List[str]:
