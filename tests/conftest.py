@@ -63,17 +63,31 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+def composed(overrides=()):
+    """The config `python -m orchestrator <overrides>` composes (for module-scoped fixtures; tests
+    take the ``compose_cfg`` fixture, which also clears Hydra after them)."""
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def spawn_ranks(worker, world: int, args: tuple, out: str) -> list:
+    """``worker(rank, world, port, *args, out)`` in ``world`` spawned processes; each rank saves
+    its results to ``out/rank{r}.pt``, returned in rank order."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from orchestrator.launch import free_port
+
+    mp.spawn(worker, args=(world, free_port(), *args, out), nprocs=world, join=True)
+    return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+
+
 @pytest.fixture
 def compose_cfg():
     """compose_cfg(overrides) -> DictConfig, as `python -m orchestrator <overrides>` composes it."""
-    register_configs()
-
-    def _compose(overrides=()):
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-            return compose("config", overrides=list(overrides))
-
-    yield _compose
+    yield composed
     GlobalHydra.instance().clear()
 
 

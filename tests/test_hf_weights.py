@@ -15,9 +15,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import hf_model, trial
-from tests.conftest import cli_in_process
+from tests.conftest import cli_in_process, composed, spawn_ranks
 from trainers import hf_weights
 from trainers.config import ModelConfig
 from trainers.data import StepSampler, SyntheticTokens
@@ -234,19 +235,10 @@ def single_losses(checkpoint, tmp_path_factory):
 
 
 def _compose(folder, extra):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from orchestrator import conf_dir
-    from orchestrator.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
     over = ["+chip=cpu", "trainer=smoke", "trainer.steps=4", "trainer.seq_len=32", "trainer.global_batch=4"]
     over += ["trainer.micro_batch=2", "data=synthetic", "precision=fp32", "tracking.enabled=false"]
     over += [f"model.hf_config={folder}", f"model.hf_weights={folder}", *extra]
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        cfg = compose("config", overrides=over)
+    cfg = composed(over)
     GlobalHydra.instance().clear()
     return cfg
 
@@ -305,16 +297,11 @@ def _logits_worker(rank: int, world: int, port: int, specs: list, ids: torch.Ten
 
 @pytest.mark.distributed
 def test_every_layout_gives_the_reference_logits(checkpoint, tmp_path):
-    import torch.multiprocessing as mp
-
-    from orchestrator.launch import free_port
-
     folder, sd = checkpoint
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(3))
     ref = ref_logits(sd, CONFIG, ids)
     specs = [(name, trial.build_spec(trial.prepare(_compose(folder, over)))) for name, over in LAYOUTS.items()]
-    mp.spawn(_logits_worker, args=(2, free_port(), specs, ids, str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    ranks = spawn_ranks(_logits_worker, 2, (specs, ids), str(tmp_path))
     for name in LAYOUTS:
         holders = [r[name] for r in ranks if name in r]
         assert holders, name

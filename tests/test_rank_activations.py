@@ -31,11 +31,13 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import trial
 from orchestrator.planner.memory import ActBytes, rank_activation_bytes
 from orchestrator.planner.shapes import ModelShape, ParallelShape, rank_contents
 from orchestrator.validate import layout
+from tests.conftest import composed, spawn_ranks
 
 BASE = [
     "+chip=cpu",
@@ -193,29 +195,16 @@ def _planned(cfg) -> Tuple[List[float], ParallelShape]:
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     """Every case's planned and measured bytes per rank, one spawn per world size."""
-    import torch.multiprocessing as mp
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from orchestrator import conf_dir
-    from orchestrator.config import register_configs
-    from orchestrator.launch import free_port
-
-    register_configs()
     planned, by_world = {}, {}
     for name, (world, over) in CASES.items():
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-            cfg = trial.prepare(compose("config", overrides=[*BASE, *over]))
+        cfg = trial.prepare(composed([*BASE, *over]))
         assert layout(cfg).world_size == world, name
         planned[name], s = _planned(cfg)
         by_world.setdefault(world, []).append((name, trial.build_spec(cfg), s.microbatches))
     GlobalHydra.instance().clear()
     got: Dict[str, List[dict]] = {}
     for world, specs in by_world.items():
-        out = str(tmp_path_factory.mktemp(f"world{world}"))
-        mp.spawn(_worker, args=(world, free_port(), specs, out), nprocs=world, join=True)
-        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+        ranks = spawn_ranks(_worker, world, (specs,), str(tmp_path_factory.mktemp(f"world{world}")))
         for name, _, _ in specs:
             got[name] = [r[name] for r in ranks]
     return planned, got

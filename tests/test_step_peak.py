@@ -19,11 +19,13 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import trial
 from orchestrator.planner.memory import memory_plan
 from orchestrator.planner.shapes import ModelShape, ParallelShape
 from orchestrator.validate import layout
+from tests.conftest import composed, spawn_ranks
 
 BASE = [
     "+chip=cpu",
@@ -92,20 +94,9 @@ def _worker(rank: int, world: int, port: int, specs: list, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    import torch.multiprocessing as mp
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from orchestrator import conf_dir
-    from orchestrator.config import register_configs
-    from orchestrator.launch import free_port
-
-    register_configs()
     planned, by_world = {}, {}
     for name, (world, over) in CASES.items():
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-            cfg = trial.prepare(compose("config", overrides=[*BASE, *over]))
+        cfg = trial.prepare(composed([*BASE, *over]))
         assert layout(cfg).world_size == world, name
         m = ModelShape.of(cfg.model)
         s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg))
@@ -115,9 +106,7 @@ def measured(tmp_path_factory):
     GlobalHydra.instance().clear()
     got: Dict[str, List[int]] = {}
     for world, specs in by_world.items():
-        out = str(tmp_path_factory.mktemp(f"peak{world}"))
-        mp.spawn(_worker, args=(world, free_port(), specs, out), nprocs=world, join=True)
-        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
+        ranks = spawn_ranks(_worker, world, (specs,), str(tmp_path_factory.mktemp(f"peak{world}")))
         for name, _ in specs:
             got[name] = [r[name]["peak"] for r in ranks]
     return planned, got
