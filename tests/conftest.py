@@ -72,15 +72,42 @@ def composed(overrides=()):
         return compose("config", overrides=list(overrides))
 
 
-def spawn_ranks(worker, world: int, args: tuple, out: str) -> list:
-    """``worker(rank, world, port, *args, out)`` in ``world`` spawned processes; each rank saves
-    its results to ``out/rank{r}.pt``, returned in rank order."""
+def _rank_main(rank: int, world: int, port: int, measure, specs: list, extra: tuple, out: str) -> None:
+    """One spawned rank of :func:`on_ranks`: a gloo group, each spec's ``RankModel`` measured in
+    turn (every rank finishing each before the next), its results saved to ``out/rank{r}.pt``."""
+    import torch
+    import torch.distributed as dist
+
+    from trainers.assembly import RankModel
+    from trainers.precision import LossScaler
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    cpu = torch.device("cpu")
+    results = {}
+    try:
+        for name, spec, *rest in specs:
+            model = RankModel(spec, cpu, LossScaler(spec.precision, cpu))
+            value = measure(model, spec, rank, *rest, *extra)
+            if value is not None:
+                results[name] = value
+            dist.barrier()
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def on_ranks(measure, world: int, specs: list, out: str, *extra) -> list:
+    """``measure(model, spec, rank, *rest, *extra)`` on the trainer's own ``RankModel`` of each
+    ``(name, spec, *rest)`` of ``specs``, in ``world`` spawned gloo processes (``measure`` a
+    module-level function); each rank's ``{name: value}`` (values None left out), in rank order."""
     import torch
     import torch.multiprocessing as mp
 
     from orchestrator.launch import free_port
 
-    mp.spawn(worker, args=(world, free_port(), *args, out), nprocs=world, join=True)
+    mp.spawn(_rank_main, args=(world, free_port(), measure, specs, extra, out), nprocs=world, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import hf_model, trial
-from tests.conftest import cli_in_process, composed, spawn_ranks
+from tests.conftest import cli_in_process, composed, on_ranks
 from trainers import hf_weights
 from trainers.config import ModelConfig
 from trainers.data import StepSampler, SyntheticTokens
@@ -256,43 +256,27 @@ def test_layouts_start_from_the_checkpoint(checkpoint, single_losses, layout):
     assert losses == pytest.approx(single_losses, rel=1e-4), layout
 
 
-def _logits_worker(rank: int, world: int, port: int, specs: list, ids: torch.Tensor, out: str) -> None:
-    """Each layout's logits of ``ids`` from the rank model built with the weights: TP's vocabulary
-    shards gathered, the pipeline's hidden states sent from the first stage to the last."""
-    import os
-
+def _logits(model, spec, rank: int, ids: torch.Tensor):
+    """A layout's logits of ``ids`` from the rank model built with the weights: TP's vocabulary
+    shards gathered, the pipeline's hidden states sent from the first stage to the last (which
+    alone returns logits)."""
     import torch.distributed as dist
 
-    from trainers.assembly import RankModel
-    from trainers.precision import LossScaler
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    cpu = torch.device("cpu")
-    got = {}
-    try:
-        for name, spec in specs:
-            model = RankModel(spec, cpu, LossScaler(spec.precision, cpu))
-            model.train(False)
-            with torch.no_grad():
-                if model.schedule is not None:  # pp2: stage 0 on rank 0, stage 1 on rank 1
-                    if model.has_first:
-                        dist.send(model.modules[0](ids).contiguous(), dst=1)
-                        continue
-                    h = torch.empty(*ids.shape, spec.model.d_model)
-                    dist.recv(h, src=0)
-                    got[name] = model.modules[0](h)
-                    continue
-                y = model.wrapped[0](ids)
-                if model.p.tp > 1:  # this rank's vocabulary shard
-                    parts = [torch.empty_like(y) for _ in range(model.p.tp)]
-                    dist.all_gather(parts, y.contiguous(), group=model.mesh.group("tp"))
-                    y = torch.cat(parts, dim=-1)
-                got[name] = y
-            dist.barrier()
-        torch.save(got, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    model.train(False)
+    with torch.no_grad():
+        if model.schedule is not None:  # pp2: stage 0 on rank 0, stage 1 on rank 1
+            if model.has_first:
+                dist.send(model.modules[0](ids).contiguous(), dst=1)
+                return None
+            h = torch.empty(*ids.shape, spec.model.d_model)
+            dist.recv(h, src=0)
+            return model.modules[0](h)
+        y = model.wrapped[0](ids)
+        if model.p.tp > 1:  # this rank's vocabulary shard
+            parts = [torch.empty_like(y) for _ in range(model.p.tp)]
+            dist.all_gather(parts, y.contiguous(), group=model.mesh.group("tp"))
+            y = torch.cat(parts, dim=-1)
+        return y
 
 
 @pytest.mark.distributed
@@ -301,7 +285,7 @@ def test_every_layout_gives_the_reference_logits(checkpoint, tmp_path):
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(3))
     ref = ref_logits(sd, CONFIG, ids)
     specs = [(name, trial.build_spec(trial.prepare(_compose(folder, over)))) for name, over in LAYOUTS.items()]
-    ranks = spawn_ranks(_logits_worker, 2, (specs, ids), str(tmp_path))
+    ranks = on_ranks(_logits, 2, specs, str(tmp_path), ids)
     for name in LAYOUTS:
         holders = [r[name] for r in ranks if name in r]
         assert holders, name

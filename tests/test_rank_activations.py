@@ -26,7 +26,6 @@ checkpoint's own hooks hide what it keeps from outer hooks).
 
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Tuple
 
 import pytest
@@ -37,7 +36,7 @@ from orchestrator import trial
 from orchestrator.planner.memory import ActBytes, rank_activation_bytes
 from orchestrator.planner.shapes import ModelShape, ParallelShape, rank_contents
 from orchestrator.validate import layout
-from tests.conftest import composed, spawn_ranks
+from tests.conftest import composed, on_ranks
 
 BASE = [
     "+chip=cpu",
@@ -148,40 +147,22 @@ def _ptr(t: torch.Tensor) -> int:
     return _local(t).untyped_storage().data_ptr()
 
 
-def _worker(rank: int, world: int, port: int, specs: list, out: str) -> None:
-    import torch.distributed as dist
-
-    from trainers.assembly import RankModel
-    from trainers.precision import LossScaler
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    device = torch.device("cpu")
-    results = {}
-    try:
-        for name, spec, microbatches in specs:
-            model = RankModel(spec, device, LossScaler(spec.precision, device))
-            counter = PeakSaved(model.modules)
-            b, seq, vocab = spec.trainer.micro_batch, spec.trainer.seq_len, spec.model.vocab_size
-            g = torch.Generator().manual_seed(rank)
-            if model.schedule is None:
-                batches = [
-                    (torch.randint(0, vocab, (b, seq), generator=g), torch.randint(0, vocab, (b, seq), generator=g))
-                    for _ in range(microbatches)
-                ]
-            else:
-                n = b * microbatches
-                batches = [
-                    (torch.randint(0, vocab, (n, seq), generator=g), torch.randint(0, vocab, (n, seq), generator=g))
-                ]
-            with counter.hooks():
-                model.forward_backward(batches)
-            results[name] = dict(peak=counter.peak, after=counter.now)
-            dist.barrier()
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _measure(model, spec, rank: int, microbatches: int) -> dict:
+    """The peak of what autograd holds through one step's forward and backward on this rank."""
+    counter = PeakSaved(model.modules)
+    b, seq, vocab = spec.trainer.micro_batch, spec.trainer.seq_len, spec.model.vocab_size
+    g = torch.Generator().manual_seed(rank)
+    if model.schedule is None:
+        batches = [
+            (torch.randint(0, vocab, (b, seq), generator=g), torch.randint(0, vocab, (b, seq), generator=g))
+            for _ in range(microbatches)
+        ]
+    else:
+        n = b * microbatches
+        batches = [(torch.randint(0, vocab, (n, seq), generator=g), torch.randint(0, vocab, (n, seq), generator=g))]
+    with counter.hooks():
+        model.forward_backward(batches)
+    return dict(peak=counter.peak, after=counter.now)
 
 
 def _planned(cfg) -> Tuple[List[float], ParallelShape]:
@@ -204,7 +185,7 @@ def measured(tmp_path_factory):
     GlobalHydra.instance().clear()
     got: Dict[str, List[dict]] = {}
     for world, specs in by_world.items():
-        ranks = spawn_ranks(_worker, world, (specs,), str(tmp_path_factory.mktemp(f"world{world}")))
+        ranks = on_ranks(_measure, world, specs, str(tmp_path_factory.mktemp(f"world{world}")))
         for name, _, _ in specs:
             got[name] = [r[name] for r in ranks]
     return planned, got

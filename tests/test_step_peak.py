@@ -14,7 +14,6 @@ are the parameters (the gradients are None before the step). The vocabulary is 4
 
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Tuple
 
 import pytest
@@ -25,7 +24,7 @@ from orchestrator import trial
 from orchestrator.planner.memory import memory_plan
 from orchestrator.planner.shapes import ModelShape, ParallelShape
 from orchestrator.validate import layout
-from tests.conftest import composed, spawn_ranks
+from tests.conftest import composed, on_ranks
 
 BASE = [
     "+chip=cpu",
@@ -61,35 +60,20 @@ def live_peak(fn) -> int:
     return peak
 
 
-def _worker(rank: int, world: int, port: int, specs: list, out: str) -> None:
-    import torch.distributed as dist
-
-    from trainers.assembly import RankModel
+def _measure(model, spec, rank: int) -> dict:
+    """The step's peak on this rank: the parameters live before it plus what it allocates."""
     from trainers.memory import model_state_bytes
-    from trainers.precision import LossScaler
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    device = torch.device("cpu")
-    results = {}
-    try:
-        for name, spec in specs:
-            model = RankModel(spec, device, LossScaler(spec.precision, device))
-            b, seq, vocab = spec.trainer.micro_batch, spec.trainer.seq_len, spec.model.vocab_size
-            g = torch.Generator().manual_seed(0)
-            batches = [
-                (torch.randint(0, vocab, (b, seq), generator=g), torch.randint(0, vocab, (b, seq), generator=g))
-                for _ in range(spec.trainer.global_batch // b)
-            ]
-            before = model_state_bytes(model.modules, [])
-            assert before["grads"] == 0
-            peak = live_peak(lambda: model.forward_backward(batches))
-            results[name] = dict(peak=before["params"] + peak)
-            dist.barrier()
-        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    b, seq, vocab = spec.trainer.micro_batch, spec.trainer.seq_len, spec.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randint(0, vocab, (b, seq), generator=g), torch.randint(0, vocab, (b, seq), generator=g))
+        for _ in range(spec.trainer.global_batch // b)
+    ]
+    before = model_state_bytes(model.modules, [])
+    assert before["grads"] == 0
+    peak = live_peak(lambda: model.forward_backward(batches))
+    return dict(peak=before["params"] + peak)
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +90,7 @@ def measured(tmp_path_factory):
     GlobalHydra.instance().clear()
     got: Dict[str, List[int]] = {}
     for world, specs in by_world.items():
-        ranks = spawn_ranks(_worker, world, (specs,), str(tmp_path_factory.mktemp(f"peak{world}")))
+        ranks = on_ranks(_measure, world, specs, str(tmp_path_factory.mktemp(f"peak{world}")))
         for name, _ in specs:
             got[name] = [r[name]["peak"] for r in ranks]
     return planned, got
