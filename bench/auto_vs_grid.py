@@ -33,7 +33,7 @@ from ovat_vs_grid import cli  # noqa: E402  (bench/ is this script's folder on s
 
 
 def report(uri: str, experiment: str) -> dict:
-    from orchestrator import report as report_mod
+    from orchestrator import grid_report as report_mod
     from orchestrator import results
 
     parent = report_mod.find_parent(uri, experiment, None)

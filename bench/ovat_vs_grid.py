@@ -84,7 +84,7 @@ def main():
     ap.add_argument("--keep", help="work in this folder (default: a temporary one); searches done there are reused")
     args = ap.parse_args()
     from orchestrator import best, results
-    from orchestrator import report as report_mod
+    from orchestrator import grid_report as report_mod
 
     work = Path(args.keep or tempfile.mkdtemp(prefix="ovat_vs_grid_"))
     work.mkdir(parents=True, exist_ok=True)

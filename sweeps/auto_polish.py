@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import report
+from orchestrator import report_render
 from sweeps.ovat import PREFIX, Runner, Study, descend
 
 log = logging.getLogger("orchestrator")
@@ -92,7 +92,7 @@ def run(sweeper: Any, info: Dict[str, str], winner_overrides: List[str], polish:
     before = runner.trial_seconds()  # the sweep's so far: the search's trials
     data = descend(study, runner)
     data["trials"]["trial_seconds"] = runner.trial_seconds() - before
-    data["files"] = [str(f) for f in report.render(data, out_dir / "polish_report")]
+    data["files"] = [str(f) for f in report_render.render(data, out_dir / "polish_report")]
     return data
 
 

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
-from orchestrator import report, results, sweep, tracking
+from orchestrator import report_render, results, sweep, tracking
 from orchestrator.results import Point
 from sweeps.ovat_rows import _planned_row, _row, _skip_row
 from sweeps.ovat_runner import Runner, _label
@@ -112,159 +112,179 @@ def judge(point: Point, baseline: Point, incumbent: Point, study: Study, thresho
     return True, f"win: S={s_prev:.3f} vs the incumbent (threshold {threshold:.3f})"
 
 
+class _Descent:
+    """The state of one coordinate descent: the incumbent assignment and point, the report's rows,
+    the skips, and the finalists whose loss curves the report draws."""
+
+    def __init__(self, study: Study, runner: Runner):
+        self.study, self.runner = study, runner
+        self.keys = list(study.variables)
+        self.current = OrderedDict((k, v[0]) for k, v in study.variables.items())
+        self.baseline = runner.point(dict(self.current))
+        self.inert = {self.keys[0]: runner.no_effect(dict(self.current), self.keys[0])}
+        first = self.keys[0]
+        others = []
+        if not self.inert[first]:
+            others = [runner.point({**self.current, first: v}) for v in study.variables[first][1:]]
+        runner.measure([self.baseline, *others])  # one batch: the baseline's repeats and the first variable
+        self.noise = self.baseline.spread
+        self.threshold = max(study.min_speedup, 1.0 + self.noise)
+        self.incumbent = self.baseline
+        self.finalists: List[Tuple[str, Point]] = [("baseline", self.baseline)]
+        self.skipped: List[str] = []
+        self.step = 0
+        self.predicted_skips = 0
+        ok = self.baseline.status == tracking.STATUS_OK
+        first_decision = "baseline" if ok else f"{self.baseline.status}: {self.baseline.reason}"
+        b = self.baseline
+        self.rows: List[Dict[str, Any]] = [
+            _row(0, 0, "(baseline)", _label(self.current), b, b, b, study, first_decision, False)
+        ]
+        self.outcome = "finished" if ok else "baseline_failed"
+        if not ok:
+            log.error("ovat: the baseline did not finish (%s: %s); nothing to compare against", b.status, b.reason)
+        else:
+            log.info(
+                "ovat: baseline %s = %s over %d repeats, noise %.1f%%, a win needs S >= %.3f",
+                study.objective,
+                results.fmt(b.value),
+                len(b.values),
+                100 * self.noise,
+                self.threshold,
+            )
+
+    def _skip_inert(self, pass_: int, key: str) -> bool:
+        """Whether ``key`` is inert on the incumbent (then skipped, with its row)."""
+        why = self.inert.pop(key) if key in self.inert else self.runner.no_effect(dict(self.current), key)
+        if why:
+            self.step += 1
+            self.rows.append(_skip_row(self.step, pass_, key, why))
+            self.skipped.append(f"{key}: {why}")
+            log.info("ovat: [pass %d] %s skipped, no effect on the incumbent: %s", pass_, key, why)
+        return bool(why)
+
+    def _planned(self, pass_: int, key: str) -> List[Tuple[Any, Point]]:
+        """``key``'s other values in the planner's order (predicted best first), less the ones it
+        predicts slower than the incumbent by more than its own error on what was measured so far
+        (each recorded as a predicted skip); a candidate measured already is judged on that."""
+        study = self.study
+        values = [v for v in study.variables[key] if v != self.current[key]]
+        cands = [(v, self.runner.point({**self.current, key: v})) for v in values]
+        error = model_error(list(self.runner.points.values()), study.objective)
+        plans = {
+            id(p): planner_verdict(p, self.incumbent, study, error if p.status == "pending" else None) for _, p in cands
+        }
+        cands.sort(key=lambda vp: -(plans[id(vp[1])][0] or 0.0))
+        for v, p in [vp for vp in cands if plans[id(vp[1])][1]]:
+            self.step += 1
+            why = plans[id(p)][1]
+            self.rows.append(_planned_row(self.step, pass_, key, v, p, study, why))
+            self.skipped.append(f"{key}={v}: {why}")
+            self.predicted_skips += 1
+            log.info("ovat: [pass %d] %s=%s %s", pass_, key, v, why)
+        return [vp for vp in cands if not plans[id(vp[1])][1]]
+
+    def vary(self, pass_: int, key: str) -> bool:
+        """Measure ``key``'s candidates on the incumbent and adopt the fastest win; whether one won."""
+        if self._skip_inert(pass_, key):
+            return False
+        study = self.study
+        cands = self._planned(pass_, key)
+        self.runner.measure([p for _, p in cands])
+        verdicts = [(v, p, *judge(p, self.baseline, self.incumbent, study, self.threshold)) for v, p in cands]
+        wins = [(v, p) for v, p, ok, _ in verdicts if ok]
+        winner = None
+        if wins:
+            winner = max(wins, key=lambda vp: results.speedup(self.incumbent.value, vp[1].value, study.direction))
+        for v, p, ok, why in verdicts:
+            self.step += 1
+            adopted = winner is not None and p is winner[1]
+            decision = f"adopted ({why})" if adopted else (f"{why}; a faster candidate won" if ok else why)
+            self.rows.append(_row(self.step, pass_, key, v, p, self.baseline, self.incumbent, study, decision, adopted))
+            log.info(
+                "ovat: [pass %d] %s=%s: %s=%s (S=%s vs baseline) -> %s",
+                pass_,
+                key,
+                v,
+                study.objective,
+                results.fmt(p.value),
+                results.fmt(self.rows[-1]["s_base"], 3),
+                decision,
+            )
+        if winner is None:
+            return False
+        self.current[key] = winner[0]
+        self.incumbent = winner[1]
+        self.finalists.append((f"{key}={winner[0]}", winner[1]))
+        return True
+
+    def report(self) -> Dict[str, Any]:
+        """The tuning report's data (see orchestrator.report_render.render)."""
+        study, runner, rows, incumbent = self.study, self.runner, self.rows, self.incumbent
+        final_overrides = study.overrides(dict(self.current))
+        helped = [
+            f"{r['variable']}={r['value']}: S={results.fmt(r['s_prev'], 3)} over the incumbent, "
+            f"{results.fmt(r['s_base'], 3)} over the baseline"
+            for r in rows
+            if r["adopted"]
+        ]
+        did_not = [
+            f"{r['variable']}={r['value']}: {r['decision']}"
+            for r in rows[1:]
+            if not r["adopted"] and r["status"] != "skipped"
+        ]
+        return {
+            "kind": "ovat",
+            "study": study.name,
+            "sweep": runner.info["id"],
+            "experiment": runner.experiment,
+            "objective": study.objective,
+            "direction": study.direction,
+            "repeats": study.repeats,
+            "min_speedup": study.min_speedup,
+            "loss_band": study.loss_band,
+            "noise": self.noise,
+            "threshold": self.threshold,
+            "outcome": self.outcome,
+            "variables": [{"key": k, "values": v} for k, v in study.variables.items()],
+            "fixed": study.fixed,
+            "rows": rows,
+            "final": {
+                "assignment": dict(self.current),
+                "overrides": final_overrides,
+                "command": results.command(final_overrides),
+                "objective": incumbent.value,
+                "s_total": results.speedup(self.baseline.value, incumbent.value, study.direction),
+                "run_ids": list(incumbent.run_ids),
+                "config_hash": incumbent.config_hash,
+            },
+            "helped": helped,
+            "did_not_help": did_not,
+            "skipped": self.skipped,
+            "curves": {label: p.losses.get(p.run_ids[0], []) if p.run_ids else [] for label, p in self.finalists},
+            "trials": {
+                "launched": runner.launched,
+                "reused": runner.reused,
+                "pruned": runner.pruned,
+                "predicted_skips": self.predicted_skips,
+            },
+            "planner_error": model_error(list(runner.points.values()), study.objective),
+        }
+
+
 def descend(study: Study, runner: Runner) -> Dict[str, Any]:
-    """Coordinate descent; returns the tuning report's data (see orchestrator.report.render).
+    """Coordinate descent; returns the tuning report's data (see orchestrator.report_render.render).
     A variable whose candidates would all run the same trial on the incumbent (the layout rules
-    say the key is inert there, e.g. DDP buckets without DDP) is skipped with its reason."""
-    current = OrderedDict((k, v[0]) for k, v in study.variables.items())
-    keys = list(study.variables)
-    baseline = runner.point(dict(current))
-    inert = {keys[0]: runner.no_effect(dict(current), keys[0])}
-    first = [] if inert[keys[0]] else [runner.point({**current, keys[0]: v}) for v in study.variables[keys[0]][1:]]
-    runner.measure([baseline, *first])  # one batch: the baseline's repeats and the first variable
-    rows: List[Dict[str, Any]] = []
-    skipped: List[str] = []
-    noise = baseline.spread
-    threshold = max(study.min_speedup, 1.0 + noise)
-    incumbent = baseline
-    finalists: List[Tuple[str, Point]] = [("baseline", baseline)]
-    rows.append(
-        _row(
-            0,
-            0,
-            "(baseline)",
-            _label(current),
-            baseline,
-            baseline,
-            baseline,
-            study,
-            "baseline" if baseline.status == tracking.STATUS_OK else f"{baseline.status}: {baseline.reason}",
-            False,
-        )
-    )
-    outcome = "finished"
-    if baseline.status != tracking.STATUS_OK:
-        outcome = "baseline_failed"
-        log.error(
-            "ovat: the baseline did not finish (%s: %s); nothing to compare against", baseline.status, baseline.reason
-        )
-    else:
-        log.info(
-            "ovat: baseline %s = %s over %d repeats, noise %.1f%%, a win needs S >= %.3f",
-            study.objective,
-            results.fmt(baseline.value),
-            len(baseline.values),
-            100 * noise,
-            threshold,
-        )
-    step = 0
-    predicted_skips = 0
+    say the key is inert there, e.g. DDP buckets without DDP) is skipped with its reason. Passes
+    over the variables go on while one adopts a change, at most ``study.passes``."""
+    descent = _Descent(study, runner)
     for pass_ in range(1, study.passes + 1):
-        if outcome != "finished":
+        if descent.outcome != "finished":
             break
-        adopted_any = False
-        for key in keys:
-            why = inert.pop(key) if key in inert else runner.no_effect(dict(current), key)
-            if why:
-                step += 1
-                rows.append(_skip_row(step, pass_, key, why))
-                skipped.append(f"{key}: {why}")
-                log.info("ovat: [pass %d] %s skipped, no effect on the incumbent: %s", pass_, key, why)
-                continue
-            cands = [(v, runner.point({**current, key: v})) for v in study.variables[key] if v != current[key]]
-            # the planner's order (predicted best first), and its skips: candidates it predicts
-            # slower than the incumbent by more than its own error on what was measured so far
-            error = model_error(list(runner.points.values()), study.objective)
-            # a candidate measured already (the first batch, an earlier pass) is judged on that: no skip
-            plans = {
-                id(p): planner_verdict(p, incumbent, study, error if p.status == "pending" else None) for _, p in cands
-            }
-            cands.sort(key=lambda vp: -(plans[id(vp[1])][0] or 0.0))
-            for v, p in [vp for vp in cands if plans[id(vp[1])][1]]:
-                step += 1
-                why = plans[id(p)][1]
-                rows.append(_planned_row(step, pass_, key, v, p, study, why))
-                skipped.append(f"{key}={v}: {why}")
-                predicted_skips += 1
-                log.info("ovat: [pass %d] %s=%s %s", pass_, key, v, why)
-            cands = [vp for vp in cands if not plans[id(vp[1])][1]]
-            runner.measure([p for _, p in cands])
-            verdicts = [(v, p, *judge(p, baseline, incumbent, study, threshold)) for v, p in cands]
-            wins = [(v, p) for v, p, ok, _ in verdicts if ok]
-            winner = None
-            if wins:
-                winner = max(wins, key=lambda vp: results.speedup(incumbent.value, vp[1].value, study.direction))
-            for v, p, ok, why in verdicts:
-                step += 1
-                adopted = winner is not None and p is winner[1]
-                decision = f"adopted ({why})" if adopted else (f"{why}; a faster candidate won" if ok else why)
-                rows.append(_row(step, pass_, key, v, p, baseline, incumbent, study, decision, adopted))
-                log.info(
-                    "ovat: [pass %d] %s=%s: %s=%s (S=%s vs baseline) -> %s",
-                    pass_,
-                    key,
-                    v,
-                    study.objective,
-                    results.fmt(p.value),
-                    results.fmt(rows[-1]["s_base"], 3),
-                    decision,
-                )
-            if winner is not None:
-                current[key] = winner[0]
-                incumbent = winner[1]
-                finalists.append((f"{key}={winner[0]}", winner[1]))
-                adopted_any = True
-        if not adopted_any:
+        adopted = [descent.vary(pass_, key) for key in descent.keys]
+        if not any(adopted):
             break
-    final_overrides = study.overrides(dict(current))
-    helped = [
-        f"{r['variable']}={r['value']}: S={results.fmt(r['s_prev'], 3)} over the incumbent, "
-        f"{results.fmt(r['s_base'], 3)} over the baseline"
-        for r in rows
-        if r["adopted"]
-    ]
-    did_not = [
-        f"{r['variable']}={r['value']}: {r['decision']}"
-        for r in rows[1:]
-        if not r["adopted"] and r["status"] != "skipped"
-    ]
-    return {
-        "kind": "ovat",
-        "study": study.name,
-        "sweep": runner.info["id"],
-        "experiment": runner.experiment,
-        "objective": study.objective,
-        "direction": study.direction,
-        "repeats": study.repeats,
-        "min_speedup": study.min_speedup,
-        "loss_band": study.loss_band,
-        "noise": noise,
-        "threshold": threshold,
-        "outcome": outcome,
-        "variables": [{"key": k, "values": v} for k, v in study.variables.items()],
-        "fixed": study.fixed,
-        "rows": rows,
-        "final": {
-            "assignment": dict(current),
-            "overrides": final_overrides,
-            "command": results.command(final_overrides),
-            "objective": incumbent.value,
-            "s_total": results.speedup(baseline.value, incumbent.value, study.direction),
-            "run_ids": list(incumbent.run_ids),
-            "config_hash": incumbent.config_hash,
-        },
-        "helped": helped,
-        "did_not_help": did_not,
-        "skipped": skipped,
-        "curves": {label: p.losses.get(p.run_ids[0], []) if p.run_ids else [] for label, p in finalists},
-        "trials": {
-            "launched": runner.launched,
-            "reused": runner.reused,
-            "pruned": runner.pruned,
-            "predicted_skips": predicted_skips,
-        },
-        "planner_error": model_error(list(runner.points.values()), study.objective),
-    }
+    return descent.report()
 
 
 def _fail_study(errors: List[str], info: Optional[Dict[str, Any]] = None) -> None:
@@ -335,8 +355,8 @@ def run_study(sweeper: Any, arguments: List[str]) -> List[Any]:
     data = descend(study, runner)
     data["trials"]["trial_seconds"] = runner.trial_seconds()
     data["trials"]["wall_seconds"] = time.perf_counter() - t0
-    files = report.render(data, sweep_dir / "tuning_report")
-    report.attach(info["uri"], info["parent_run_id"], files, data)
+    files = report_render.render(data, sweep_dir / "tuning_report")
+    report_render.attach(info["uri"], info["parent_run_id"], files, data)
     final = data["final"]
     log.info(
         "ovat: %s -> %s=%s (S=%s over the baseline); %d trial(s) launched, %d reused, %d pruned",

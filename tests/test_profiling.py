@@ -19,16 +19,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from trainers.profiling import (
+from trainers.ascend_profile import read_op_statistic, read_step_trace_time
+from trainers.profiling import ProfileResult
+from trainers.trace_accounting import (
     WINDOW_MARK,
     Breakdown,
-    ProfileResult,
     Span,
     analyse_spans,
     breakdown,
     is_comm_kernel,
-    read_op_statistic,
-    read_step_trace_time,
     self_time_pieces,
     spans_from_chrome_trace,
     spans_from_events,
@@ -156,7 +155,7 @@ def test_events_from_a_cuda_profile(with_activity_type):
 def _grid_reference(spans, window, step=1.0):
     """Compute / comm / overlap by sampling: at each grid point of each thread, the active span that
     started last owns it; categories are OR-ed over threads. Independent of the sweep in profiling.py."""
-    from trainers.profiling import is_comm
+    from trainers.trace_accounting import is_comm
 
     t0, t1 = window
     grid = np.arange(t0 + step / 2, t1, step)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrator import mlflow_reporter, mlflow_store, report, tracking
+from orchestrator import mlflow_reporter, mlflow_store, report_render, tracking
 from orchestrator.launch import free_port
 from tests.conftest import ROOT, TableRunner, cli_env, metric_history
 from tests.test_tracking import SMOKE
@@ -236,10 +236,10 @@ def test_the_report_s_image_links_are_served_as_mlflow_s_ui_fetches_them(running
     table = {(("a", "1"),): (1.0, 3.0), (("a", "2"),): (0.5, 3.0)}
     data = descend(Study(name="t", variables={"a": ["1", "2"]}, fixed=[]), TableRunner(table))
     data.update(sweep="s", experiment="outage_report", kind="ovat")
-    files = report.render(data, tmp_path / "out")
+    files = report_render.render(data, tmp_path / "out")
     c = MlflowClient(running.uri)
     run_id = c.create_run(tracking.experiment_id(running.uri, "outage_report")).info.run_id
-    report.attach(running.uri, run_id, files, data)
+    report_render.attach(running.uri, run_id, files, data)
     md = Path(c.download_artifacts(run_id, "tuning_report.md", str(tmp_path))).read_text()
     links = [line.split("](", 1)[1].rstrip(")") for line in md.splitlines() if line.startswith("![")]
     assert len(links) == 2 and all(link.startswith(f"{running.uri}/get-artifact?") for link in links)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrator import mlflow_reporter, mlflow_store, mlflow_ui, report, tracking, trial
+from orchestrator import mlflow_reporter, mlflow_store, mlflow_ui, report_render, tracking, trial
 from orchestrator.launch import free_port
 from tests.conftest import ROOT, TableRunner, cli_in_process, metric_history, search_runs
 
@@ -235,9 +235,9 @@ def test_the_tuning_report_s_images_are_linked_where_mlflow_s_ui_finds_them(mlfl
     table = {(("a", "1"),): (1.0, 3.0), (("a", "2"),): (0.5, 3.0)}
     data = descend(Study(name="t", variables={"a": ["1", "2"]}, fixed=[]), TableRunner(table))
     data.update(sweep="s", experiment="orchestrator", kind="ovat")
-    files = report.render(data, tmp_path / "out")
+    files = report_render.render(data, tmp_path / "out")
     run_id = _run(mlflow_uri)
-    report.attach(mlflow_uri, run_id, files, data)
+    report_render.attach(mlflow_uri, run_id, files, data)
     c = MlflowClient(mlflow_uri)
     top = {a.path for a in c.list_artifacts(run_id)}
     assert {"tuning_report.md", "tuning_report.json", "plots"} <= top

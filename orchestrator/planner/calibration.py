@@ -365,39 +365,8 @@ def calibrate(
     y = np.array([t.step_time_s for t in trials])
     col = {k: np.array([float(getattr(p, k)) for p in parts])[:, None, None, None] for k in _COLUMNS}
     fit_comm = bool((col["tp_calls"] + col["pp_calls"] + col["dp_calls"]).sum() > 0)
-
-    def model(c, ec, en, lat, layer, stage, hop, tp_layer):
-        with np.errstate(divide="ignore", invalid="ignore"):  # a factor driven to 0 by a step: refused by the fit
-            return _model(c, ec, en, lat, layer, stage, hop, tp_layer)
-
-    def _model(c, ec, en, lat, layer, stage, hop, tp_layer):
-        # step_time.combine over arrays of trials (and grids of factors)
-        u = c["share"]
-        compute = c["compute_s"] / ec / u
-        layer_host = c["layer_passes"] * layer + c["tp_layer_passes"] * tp_layer
-        busy = np.where(c["host_async"] > 0, np.maximum(compute, layer_host), compute + layer_host)
-        pipeline = (busy + c["stage_passes"] * stage) * np.maximum(1.0 / (1.0 - c["bubble"]), u)
-        wait = np.maximum(1.0, u)
-        tp = wait * (c["tp_comm_s"] / en + c["tp_calls"] * lat + c["tp_hops"] * hop)
-        pp = wait * (c["pp_comm_s"] / en + c["pp_calls"] * lat + c["pp_hops"] * hop)
-        dp = wait * (c["dp_comm_s"] / en + c["dp_calls"] * lat + c["dp_hops"] * hop)
-        exposed = dp - np.minimum(c["overlap"] * dp, c["backward_s"] / ec)
-        return pipeline + tp + pp + exposed
-
     h = (host0.layer_s, host0.stage_s, host0.hop_s, host0.tp_layer_s)
-    ranges = [(1e-4, 10.0, 81), (1e-4, 10.0, 25), (1e-7, 1e-1, 25)] if fit_comm else [(1e-4, 10.0, 161)]
-    best = (ec0, en0, lat0)
-    for _ in range(6):
-        axes = [np.geomspace(lo, hi, n) for lo, hi, n in ranges]
-        ec = axes[0][:, None, None]
-        en = axes[1][None, :, None] if fit_comm else np.array(en0)
-        lat = axes[2][None, None, :] if fit_comm else np.array(lat0)
-        loss = (np.log(model(col, ec, en, lat, *h) / y[:, None, None, None]) ** 2).sum(axis=0)
-        i, j, k = np.unravel_index(int(np.argmin(loss)), loss.shape)
-        best = (float(axes[0][i]), float(axes[1][j]) if fit_comm else en0, float(axes[2][k]) if fit_comm else lat0)
-        ranges = [
-            (v / (hi / lo) ** (1 / (n - 1)), v * (hi / lo) ** (1 / (n - 1)), n) for v, (lo, hi, n) in zip(best, ranges)
-        ]
+    best = _grid_fit(col, y, h, (ec0, en0, lat0), fit_comm)
     fitted = ["compute_efficiency"] + (["comm_efficiency", "collective_latency_us"] if fit_comm else [])
     shares = _host_shares(parts, *best, host0)
     if not fit_comm:  # no collective at all: the hop term has nothing to act on
@@ -407,29 +376,11 @@ def calibrate(
     candidates = [k for k in HOST_FACTORS if fit_host and host0_us[k] > 0 and shares[k] > 0 and shares[k] >= floor]
     room = len(HOST_FACTORS) if fit_host == "all" else max(0, len(trials) - 1 - len(fitted))
     host_fit = sorted(candidates, key=lambda k: -shares[k])[:room]
-    flat = {k: v[:, 0, 0, 0] for k, v in col.items()}
     value = dict(zip(FACTORS, (*best, *h)))
     if fit_comm or host_fit:
-        names = fitted + host_fit
-        start = [value[k] for k in names]
-        prior = np.array([math.log(value[k]) for k in host_fit])
-
-        def residuals(*theta):
-            v = {**value, **dict(zip(names, theta))}
-            r = np.log(model(flat, *(v[k] for k in FACTORS)) / y)
-            if not host_fit or prior_weight <= 0:
-                return r
-            own = np.log(np.array([v[k] for k in host_fit])) - prior
-            return np.concatenate([r, prior_weight * own])
-
-        # from the grid's best point and from the configured values: the grid fits the link
-        # terms with the host terms at their defaults, so a large host term (TP's per layer) the
-        # grid had to express as a slow link is found from the second start
         configured = {"compute_efficiency": ec0, "comm_efficiency": en0, "collective_latency_us": lat0}
-        starts = [start, [configured.get(k, value[k]) for k in names]]
-        polished = [_polish(residuals, s0) for s0 in starts]
-        value.update(zip(names, min(polished, key=lambda t: float((residuals(*t) ** 2).sum()))))
-        fitted = names
+        fitted = fitted + host_fit
+        value.update(_joint_fit(col, y, value, fitted, host_fit, configured, prior_weight))
     ec_b, en_b, lat_b = value["compute_efficiency"], value["comm_efficiency"], value["collective_latency_us"]
     host_us = {k: value[k] * 1e6 for k in HOST_FACTORS}
     host_b = HostCosts(*(value[k] for k in HOST_FACTORS))
@@ -448,6 +399,72 @@ def calibrate(
     )
     cal.heldout = evaluate(cal, held_out) if held_out else None
     return cal
+
+
+def _array_model(c, ec, en, lat, layer, stage, hop, tp_layer):
+    """``step_time.combine`` over arrays of trials (and grids of factors): ``c`` maps each of
+    ``_COLUMNS`` to an array of the trials' step parts."""
+    import numpy as np
+
+    with np.errstate(divide="ignore", invalid="ignore"):  # a factor driven to 0 by a step: refused by the fit
+        u = c["share"]
+        compute = c["compute_s"] / ec / u
+        layer_host = c["layer_passes"] * layer + c["tp_layer_passes"] * tp_layer
+        busy = np.where(c["host_async"] > 0, np.maximum(compute, layer_host), compute + layer_host)
+        pipeline = (busy + c["stage_passes"] * stage) * np.maximum(1.0 / (1.0 - c["bubble"]), u)
+        wait = np.maximum(1.0, u)
+        tp = wait * (c["tp_comm_s"] / en + c["tp_calls"] * lat + c["tp_hops"] * hop)
+        pp = wait * (c["pp_comm_s"] / en + c["pp_calls"] * lat + c["pp_hops"] * hop)
+        dp = wait * (c["dp_comm_s"] / en + c["dp_calls"] * lat + c["dp_hops"] * hop)
+        exposed = dp - np.minimum(c["overlap"] * dp, c["backward_s"] / ec)
+        return pipeline + tp + pp + exposed
+
+
+def _grid_fit(col, y, host, configured, fit_comm: bool) -> Tuple[float, float, float]:
+    """Compute efficiency, link efficiency and per-collective latency (s) by least squares on
+    log(predicted / measured) over a log-spaced grid, refined five times around its best point;
+    the host terms held at ``host``. Without a communicating trial only the compute efficiency."""
+    import numpy as np
+
+    ec0, en0, lat0 = configured
+    ranges = [(1e-4, 10.0, 81), (1e-4, 10.0, 25), (1e-7, 1e-1, 25)] if fit_comm else [(1e-4, 10.0, 161)]
+    best = (ec0, en0, lat0)
+    for _ in range(6):
+        axes = [np.geomspace(lo, hi, n) for lo, hi, n in ranges]
+        ec = axes[0][:, None, None]
+        en = axes[1][None, :, None] if fit_comm else np.array(en0)
+        lat = axes[2][None, None, :] if fit_comm else np.array(lat0)
+        loss = (np.log(_array_model(col, ec, en, lat, *host) / y[:, None, None, None]) ** 2).sum(axis=0)
+        i, j, k = np.unravel_index(int(np.argmin(loss)), loss.shape)
+        best = (float(axes[0][i]), float(axes[1][j]) if fit_comm else en0, float(axes[2][k]) if fit_comm else lat0)
+        ranges = [
+            (v / (hi / lo) ** (1 / (n - 1)), v * (hi / lo) ** (1 / (n - 1)), n) for v, (lo, hi, n) in zip(best, ranges)
+        ]
+    return best
+
+
+def _joint_fit(col, y, value, names, host_fit, configured, prior_weight) -> Dict[str, float]:
+    """``names`` polished together by Levenberg-Marquardt, each of ``host_fit`` held to its value in
+    ``value`` by a weak prior (``prior_weight`` per unit of log ratio); the better of two starts."""
+    import numpy as np
+
+    flat = {k: v[:, 0, 0, 0] for k, v in col.items()}
+    prior = np.array([math.log(value[k]) for k in host_fit])
+
+    def residuals(*theta):
+        v = {**value, **dict(zip(names, theta))}
+        r = np.log(_array_model(flat, *(v[k] for k in FACTORS)) / y)
+        if not host_fit or prior_weight <= 0:
+            return r
+        own = np.log(np.array([v[k] for k in host_fit])) - prior
+        return np.concatenate([r, prior_weight * own])
+
+    # from the grid's best point and from the configured values: the grid fits the link terms with
+    # the host terms at their defaults, so a large host term (TP's per layer) the grid had to
+    # express as a slow link is found from the second start
+    starts = [[value[k] for k in names], [configured.get(k, value[k]) for k in names]]
+    polished = [_polish(residuals, s0) for s0 in starts]
+    return dict(zip(names, min(polished, key=lambda t: float((residuals(*t) ** 2).sum()))))
 
 
 def _polish(residuals, start, iterations: int = 100):
