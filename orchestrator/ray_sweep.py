@@ -27,7 +27,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.launch import error_summary
-from orchestrator.ray_trial import BoardSlot, cluster, cluster_address, worker_env
+from orchestrator.ray_cluster import cluster, cluster_address, worker_env
+from orchestrator.ray_trial import BoardSlot
 from orchestrator.relay import on_this_node
 
 log = logging.getLogger("orchestrator")
@@ -152,14 +153,14 @@ class _SweepBar:
 
 
 def cluster_settings(settings: Mapping[str, Any], config: Any) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """Where a sweep runs, as :func:`orchestrator.ray_trial.cluster` takes it: ``(ray_cfg, init)``
+    """Where a sweep runs, as :func:`orchestrator.ray_cluster.cluster` takes it: ``(ray_cfg, init)``
     from the launcher's ``settings`` (``hydra.launcher``) and the task ``config``, whose
     ``launch.ray`` section (this application's; another app has none) fills what they leave unset."""
     app = _section(config, "launch.ray")
     init = _plain(settings.get("init"))
     address = settings.get("address") or init.pop("address", None) or app.get("address")
     ray_cfg = {
-        "address": address,  # none: $RAY_ADDRESS, else a local cluster (ray_trial.cluster_address)
+        "address": address,  # none: $RAY_ADDRESS, else a local cluster (ray_cluster.cluster_address)
         "num_cpus": init.pop("num_cpus", app.get("num_cpus")),
         "dashboard": init.pop("include_dashboard", app.get("dashboard", True)),
     }
@@ -171,7 +172,8 @@ def cluster_devices(config: Any, chip: Any) -> Tuple[int, str]:
     (``config``: the sweep's config, with its ``hydra`` section; ``chip``: the resolved chip
     section), and that resource's name. A local cluster is started for it and kept for the
     multirun, as :func:`launch_jobs` keeps it."""
-    from orchestrator.ray_trial import Placement, live_totals
+    from orchestrator.ray_cluster import live_totals
+    from orchestrator.ray_trial import Placement
 
     ray_cfg, init = cluster_settings(config.hydra.launcher, config)
     resource = Placement.of(chip, config.launch.ray, 1).resource
@@ -224,8 +226,7 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
       ``launch.env_prefixes`` (none for another app), and ``RAY_ADDRESS`` on a joined cluster.
     """
     from hydra.core.singleton import Singleton
-    from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
-    from omegaconf import open_dict, read_write
+    from hydra.core.utils import configure_log, filter_overrides, setup_globals
 
     # composition is over: the task function (orchestrator.app.Task) runs in other processes
     # from here on, so tell it here that a later exit 1 is a failure, not a broken command line
@@ -238,41 +239,17 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
     configure_log(config.hydra.hydra_logging, config.hydra.verbose)
     Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
     board_name = f"sweep-board-{uuid.uuid4().hex[:12]}"
-    jobs = []
-    for i, overrides in enumerate(job_overrides):
-        idx = initial_job_idx + i
-        job_cfg = launcher.hydra_context.config_loader.load_sweep_config(config, list(overrides))
-        with open_dict(job_cfg):
-            job_cfg.hydra.job.id = f"{idx}"
-            job_cfg.hydra.job.num = idx
-        with read_write(job_cfg.hydra.launcher), open_dict(job_cfg.hydra.launcher):
-            job_cfg.hydra.launcher.board = board_name  # this job's key on it is hydra.job.num
-        jobs.append((idx, list(overrides), job_cfg))
-
+    jobs = _job_configs(launcher, job_overrides, initial_job_idx, {"board": board_name})
     ray_cfg, init = cluster_settings(settings, config)
     ours = bool(_section(config, "launch.ray"))
     # the cluster lives as long as the multirun (a sweeper may send several batches)
     with cluster(ray_cfg, keep=True, init=init):
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         board = on_this_node(_Board, name=board_name)
         pool_name = _pool(launcher, ours and bool(_section(config, "launch.ray").get("reuse_workers", True)))
-        for _, _, job_cfg in jobs:
-            with read_write(job_cfg.hydra.launcher), open_dict(job_cfg.hydra.launcher):
-                job_cfg.hydra.launcher.pool = pool_name
-        # a job is never re-run (it would record twice); this application's jobs stay beside the
-        # sweep's files and MLflow store, and the driver's exported variables (launch.env_prefixes)
-        # travel with them to their trials
-        env = worker_env({}, list(OmegaConf.select(config, "launch.env_prefixes", default=None) or ()))
-        address = cluster_address(ray_cfg)
-        if address:  # a joined cluster: the jobs' trials know they run on one
-            env["RAY_ADDRESS"] = str(address)
-        options = job_options(settings, config)
-        if settings.get("same_node", True):
-            here = ray.get_runtime_context().get_node_id()
-            options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
-        run = ray.remote(_run_job).options(max_retries=0, runtime_env={"env_vars": env} if env else None, **options)
+        _set_launcher_keys(jobs, {"pool": pool_name})
+        run = _job_task(settings, config, ray_cfg)
         resources = {k: v for k, v in ray.cluster_resources().items() if k in ("CPU", "GPU", "NPU")}
         sweep_dir = config.hydra.sweep.dir
         log.info("Ray launcher: %d job(s) on a cluster of %s; sweep dir %s", len(jobs), resources, sweep_dir)
@@ -284,30 +261,84 @@ def launch_jobs(launcher: Any, job_overrides: Sequence[Sequence[str]], initial_j
                 launcher.hydra_context, launcher.task_function, job_cfg, state, os.getcwd(), None if ours else board
             )
             pending[ref] = (idx, overrides, job_cfg)
-        results: Dict[int, Any] = {}
-        counts = {"done": 0, "failed": 0}
-        bar = _SweepBar(len(jobs))
-        try:
-            while pending:
-                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0)
-                for ref in ready:
-                    idx, overrides, job_cfg = pending.pop(ref)
-                    try:
-                        ret = ray.get(ref)
-                    except Exception as err:  # noqa: BLE001 - the job's process died: the sweep goes on
-                        ret = JobReturn(overrides=overrides, cfg=job_cfg, status=JobStatus.FAILED)
-                        ret.return_value = err
-                    results[idx] = ret
-                    status, detail = _outcome(ret)
-                    counts["done" if status == "finished" else "failed"] += 1
-                    log.info("#%d %s: %s", idx, status, detail)
-                placed = ray.get(board.placed.remote())
-                running = sum(idx in placed for idx, _, _ in pending.values())
-                bar.show(len(pending) - running, running, counts["done"], counts["failed"])
-        except KeyboardInterrupt:
-            for ref in pending:
-                ray.cancel(ref, force=True)
-            raise
-        finally:
-            bar.close()
+        results = _collect(pending, board, len(jobs))
     return [results[idx] for idx, _, _ in jobs]
+
+
+def _set_launcher_keys(jobs: List[Tuple[int, List[str], Any]], keys: Dict[str, str]) -> None:
+    from omegaconf import open_dict, read_write
+
+    for _, _, job_cfg in jobs:
+        with read_write(job_cfg.hydra.launcher), open_dict(job_cfg.hydra.launcher):
+            for key, value in keys.items():
+                job_cfg.hydra.launcher[key] = value
+
+
+def _job_configs(launcher: Any, job_overrides, initial_job_idx: int, keys: Dict[str, str]):
+    """``(index, overrides, config)`` of each job of the batch, ``keys`` set in its launcher
+    section (the board's name: its key on the board is ``hydra.job.num``)."""
+    from omegaconf import open_dict
+
+    jobs = []
+    for i, overrides in enumerate(job_overrides):
+        idx = initial_job_idx + i
+        job_cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
+        with open_dict(job_cfg):
+            job_cfg.hydra.job.id = f"{idx}"
+            job_cfg.hydra.job.num = idx
+        jobs.append((idx, list(overrides), job_cfg))
+    _set_launcher_keys(jobs, keys)
+    return jobs
+
+
+def _job_task(settings: Any, config: Any, ray_cfg: Any) -> Any:
+    """The Ray task that runs one job. A job is never re-run (it would record twice); this
+    application's jobs stay beside the sweep's files and MLflow store, and the driver's exported
+    variables (``launch.env_prefixes``) travel with them to their trials."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    env = worker_env({}, list(OmegaConf.select(config, "launch.env_prefixes", default=None) or ()))
+    address = cluster_address(ray_cfg)
+    if address:  # a joined cluster: the jobs' trials know they run on one
+        env["RAY_ADDRESS"] = str(address)
+    options = job_options(settings, config)
+    if settings.get("same_node", True):
+        here = ray.get_runtime_context().get_node_id()
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(here, soft=False)
+    return ray.remote(_run_job).options(max_retries=0, runtime_env={"env_vars": env} if env else None, **options)
+
+
+def _collect(pending: Dict[Any, Tuple[int, List[str], Any]], board: Any, n_jobs: int) -> Dict[int, Any]:
+    """Each job's return as it ends (a job whose process died: failed, the sweep goes on), the
+    progress bar kept; on Ctrl-C the jobs still running are cancelled."""
+    import ray
+    from hydra.core.utils import JobReturn, JobStatus
+
+    results: Dict[int, Any] = {}
+    counts = {"done": 0, "failed": 0}
+    bar = _SweepBar(n_jobs)
+    try:
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=1.0)
+            for ref in ready:
+                idx, overrides, job_cfg = pending.pop(ref)
+                try:
+                    ret = ray.get(ref)
+                except Exception as err:  # noqa: BLE001 - the job's process died: the sweep goes on
+                    ret = JobReturn(overrides=overrides, cfg=job_cfg, status=JobStatus.FAILED)
+                    ret.return_value = err
+                results[idx] = ret
+                status, detail = _outcome(ret)
+                counts["done" if status == "finished" else "failed"] += 1
+                log.info("#%d %s: %s", idx, status, detail)
+            placed = ray.get(board.placed.remote())
+            running = sum(idx in placed for idx, _, _ in pending.values())
+            bar.show(len(pending) - running, running, counts["done"], counts["failed"])
+    except KeyboardInterrupt:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+        raise
+    finally:
+        bar.close()
+    return results

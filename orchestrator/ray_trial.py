@@ -24,47 +24,20 @@ validating a config never imports it.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import math
 import os
-import re
-import time
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from orchestrator import ray_pool, ray_rank, relay
-from orchestrator.launch import TrialFailed, classify, error_summary
+from orchestrator.launch import TrialFailed, classify
+from orchestrator.ray_cluster import cluster, live_totals, worker_env
+from orchestrator.ray_failures import attempt_failed, failure_reason, lost_nodes
 
 log = logging.getLogger("orchestrator")
-
-
-def cluster_address(ray_cfg: Any) -> Optional[str]:
-    """``launch.ray.address``, else ``$RAY_ADDRESS``, else None (a local cluster is started)."""
-    address = (ray_cfg.get("address") if ray_cfg is not None else None) or os.environ.get("RAY_ADDRESS")
-    return str(address) if address else None
-
-
-def goes_to_ray(nodes: int, ray_cfg: Any) -> bool:
-    """A trial larger than one node, or any trial when a cluster address is set."""
-    return nodes > 1 or cluster_address(ray_cfg) is not None
-
-
-def launch_errors(chip: Any, launch: Any, world_size: int, nodes: int) -> List[str]:
-    """Rules of where a trial of ``world_size`` processes on ``nodes`` nodes can run (the planner
-    plans any node count; a launch cannot). ``chip`` and ``launch`` are those config sections."""
-    if nodes == 1 or cluster_address(launch.ray) is not None:
-        return []
-    fix = "a multi-node trial runs on a Ray cluster: set launch.ray.address (or RAY_ADDRESS) to one"
-    if int(launch.nnodes) > 1:
-        return [f"launch.nnodes={launch.nnodes}: {fix}"]
-    return [
-        f"parallel: dp*tp*pp={world_size} needs {nodes} nodes of chip={chip.name} "
-        f"(chip.devices_per_node={chip.devices_per_node}); {fix}"
-    ]
 
 
 @dataclass(frozen=True)
@@ -120,54 +93,6 @@ class BoardSlot:
     pool: Optional[str] = None  # the multirun's pool of warm worker groups (orchestrator.ray_pool)
 
 
-@contextlib.contextmanager
-def cluster(ray_cfg: Any, keep: bool = False, init: Optional[Dict[str, Any]] = None) -> Iterator[None]:
-    """Connect to the cluster at :func:`cluster_address`, or start a local one (dashboard on
-    127.0.0.1 only); a cluster started here stops on leaving, unless ``keep`` (then it stops when
-    this process exits). ``init``: more ``ray.init`` keyword arguments, which win over these (a
-    ``runtime_env`` is merged over the code's). Inside a Ray task or actor this is a no-op."""
-    import ray
-
-    if ray.is_initialized():
-        yield
-        return
-    address = cluster_address(ray_cfg)
-    extra = dict(init or {})
-    if address:
-        runtime_env = {**(_code_runtime_env() or {}), **(extra.pop("runtime_env", None) or {})}
-        try:
-            ray.init(address=address, **{"log_to_driver": True, "runtime_env": runtime_env or None, **extra})
-        except ConnectionError as err:
-            raise ConnectionError(
-                f"{err} (a cluster started by `ray start` expects a token: export "
-                f"RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token)"
-            ) from None
-    else:
-        # "local": a new cluster, even where `ray start` left one running on this machine
-        local = {
-            "num_cpus": ray_cfg.get("num_cpus"),
-            "log_to_driver": True,
-            "include_dashboard": bool(ray_cfg.get("dashboard", True)),
-            "dashboard_host": "127.0.0.1",
-        }
-        ray.init(address="local", **{**local, **extra})
-    try:
-        yield
-    finally:
-        if not address and not keep:
-            ray.shutdown()
-
-
-def _code_runtime_env() -> Optional[Dict[str, Any]]:
-    """What a joined cluster's workers need to import this code: nothing when it is an installed
-    package (install it on every node) or inside a submitted job (the job's runtime env rules);
-    a source checkout travels as the job's working_dir (Ray uploads it, less what .gitignore lists)."""
-    if "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ:
-        return None
-    root = Path(__file__).resolve().parents[1]
-    return {"working_dir": str(root)} if (root / "pyproject.toml").is_file() else None
-
-
 class _Roster:
     """Where each rank of each attempt of a trial runs (Ray node id and address); the driver
     reads it to name the node a failed attempt lost."""
@@ -201,110 +126,11 @@ def _train_worker(config: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return ray_rank.rank_entry(config, ranks)
 
 
-_ACTOR_DEATHS = ("ActorDiedError", "RayActorError", "ActorUnavailableError")
-_COLLATERAL = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
-
-
-def _death(failure: Exception) -> str:
-    """Why a worker process vanished, in one line that classify() reads right."""
-    if type(failure).__name__ == "OutOfMemoryError":  # ray.exceptions: Ray's memory monitor killed it
-        return "OutOfMemoryError: killed by Ray's memory monitor (the node ran low on memory)"
-    found = re.search(r"Worker exit type: (\S+) Worker exit detail: ([^.]*\.)", str(failure))
-    if found:
-        return f"worker process died ({found.group(1)}: {found.group(2)})"
-    return f"worker process died ({type(failure).__name__})"
-
-
-def failure_reason(err: Exception) -> str:
-    """One line for a trial that failed on Ray: the rank whose process died first, else the
-    first error that is not the peers' collateral connection errors."""
-    failures: Dict[int, Exception] = getattr(err, "worker_failures", None) or {}
-    if not failures:
-        inner = getattr(err, "controller_failure", None) or err
-        return error_summary(inner)
-    for rank, failure in sorted(failures.items()):
-        if hasattr(failure, "health_check_failure"):  # Ray Train's worker group
-            return f"rank {rank}: {_death(failure.health_check_failure)}"
-        if type(failure).__name__ in _ACTOR_DEATHS:  # a warm group's rank (orchestrator.ray_pool)
-            return f"rank {rank}: {_death(failure)}"
-    ranked = sorted(failures.items(), key=lambda kv: (any(c in str(kv[1]).lower() for c in _COLLATERAL), kv[0]))
-    rank, failure = ranked[0]
-    return f"rank {rank}: {error_summary(failure)}"
-
-
-# variables whose value belongs to one host (HCCL_IF_IP: that host's own address) or to one
-# rendezvous (NCCL_COMM_ID): never copied from the driver to the workers
-NODE_OWN = ("HCCL_IF_IP", "NCCL_COMM_ID")
-
-
-def worker_env(runtime_env: Dict[str, Any], prefixes: Sequence[str]) -> Dict[str, str]:
-    """The environment a trial's workers get on every node (a Ray worker inherits its raylet's
-    environment, not the driver's): the backend variables of the chip and ``comm`` sections,
-    where a value the user exported on the driver wins (as ``trainers.runtime.apply_env`` lets it
-    win on one node), and every driver variable whose name starts with one of ``prefixes``
-    (``launch.env_prefixes``). Device visibility is Ray's to set per worker, never copied."""
-    env = {k: os.environ.get(k, str(v)) for k, v in runtime_env.items()}
-    env.update({k: v for k, v in os.environ.items() if k.startswith(tuple(prefixes))})
-    return {k: v for k, v in env.items() if not k.endswith("_VISIBLE_DEVICES") and k not in NODE_OWN}
-
-
-def live_totals(resource: str) -> List[float]:
-    """Each live node's total of ``resource``, as :meth:`Placement.units` takes them."""
-    import ray
-
-    return [float(n["Resources"].get(resource, 0.0)) for n in ray.nodes() if n.get("Alive")]
-
-
 def _tag_nodes(reporter: Any, placed: Dict[int, Tuple[str, str]]) -> None:
     """Tag the trial's run with the nodes its last worker group ran on (``trial.nodes``)."""
     if reporter is not None and placed:
         nodes = sorted({f"{ip} ({node[:12]})" for node, ip in placed.values()})
         reporter.tag("trial.nodes", ", ".join(nodes))
-
-
-def _pong() -> bool:
-    return True
-
-
-def _lost_nodes(placed: Dict[int, Tuple[str, str]], wait_s: float = 30.0) -> List[str]:
-    """The nodes among ``placed`` (rank -> (node id, ip)) that are gone, as "ip (node id)". Each
-    node gets a no-resource task pinned to it: a node that runs it is alive. Ray declares a node
-    whose raylet vanished dead after a few missed health checks (GCS ``health_check_period_ms``
-    x ``health_check_failure_threshold``, seconds), later than its workers' deaths reach the
-    trial: wait up to ``wait_s`` for one answer or the other."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    ours = {node: ip for node, ip in placed.values()}
-    ping = ray.remote(num_cpus=0, max_retries=0)(_pong)
-    pings = {
-        node: ping.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
-        for node in ours
-    }
-    answered: set = set()
-    deadline = time.monotonic() + wait_s
-    while True:
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        dead = {node for node in ours if node not in alive}
-        waiting = [ref for node, ref in pings.items() if node not in dead and node not in answered]
-        if waiting:
-            ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=1.0)
-            for node, ref in pings.items():
-                if ref in ready:
-                    try:
-                        ray.get(ref)
-                        answered.add(node)
-                    except Exception:  # noqa: BLE001 - the node went while the ping ran: counted dead below
-                        pass
-        if dead | answered >= set(ours) or time.monotonic() > deadline:
-            # only the pings still queued (a dead node's), and not by force: force-cancelling a
-            # ping whose reply was already on its way crashed this process inside Ray's core
-            # worker ("Check failed: it != submissible_tasks_.end()", Ray 2.60), which ended a
-            # Ray sweep's job right after its trial had failed and been recorded
-            for node, ref in pings.items():
-                if node not in answered:
-                    ray.cancel(ref)
-            return sorted(f"{ours[node]} ({node[:12]})" for node in dead)
 
 
 def launch_trial(
@@ -332,54 +158,33 @@ def launch_trial(
         import ray
 
         rt = spec.runtime
-        env = worker_env(rt.env, launch.get("env_prefixes") or ())
-        board, key = (ray.get_actor(slot.board), slot.key) if slot is not None else (None, -1)
         pool = slot.pool if slot is not None and ray_cfg.get("reuse_workers", True) else None
-        roster = None if pool else relay.on_this_node(_Roster)
-        workers_reporter = relay.for_workers(reporter)
-        name = f"trial-{getattr(reporter, 'run_id', None) or uuid.uuid4().hex[:12]}"
-        strategy = "STRICT_PACK" if placement.nodes == 1 else "PACK"
-        timeout_s = float(math.ceil(float(rt.timeout_s)))
+        run = _Attempts(
+            spec=spec,
+            reporter=reporter,
+            workers_reporter=relay.for_workers(reporter),
+            world_size=world_size,
+            placement=placement,
+            env=worker_env(rt.env, launch.get("env_prefixes") or ()),
+            board=ray.get_actor(slot.board) if slot is not None else None,
+            key=slot.key if slot is not None else -1,
+            pool=pool,
+            roster=None if pool else relay.on_this_node(_Roster),
+            name=f"trial-{getattr(reporter, 'run_id', None) or uuid.uuid4().hex[:12]}",
+        )
         for attempt in range(max_failures + 1):
-            units = placement.units(world_size, live_totals(placement.resource))
-            config = {
-                "spec": spec,
-                "reporter": workers_reporter,
-                "cwd": os.getcwd(),
-                "board": board,
-                "key": key,
-                "attempt": attempt,
-                "roster": roster,
-            }
-            log.info(
-                "trial on Ray: %d worker(s) x {%s: %d}%s%s%s",
-                world_size,
-                placement.resource,
-                units,
-                ", whole nodes" if placement.exclusive else "",
-                ", warm group pool" if pool else "",
-                f", restart {attempt} of {max_failures}" if attempt else "",
-            )
             try:
-                if pool:
-                    summary, placed, group = ray_pool.run_trial(
-                        pool, config, world_size, placement.resource, units, strategy, _group_env(spec, env), timeout_s
-                    )
-                    if reporter is not None:
-                        reporter.tag("trial.worker_group", f"{group['group']} (trial {group['reused'] + 1})")
-                else:
-                    summary = _fit(config, world_size, placement, units, strategy, rt, env, f"{name}-{attempt}")
-                    placed = ray.get(roster.nodes.remote(attempt))
+                summary, placed = run.attempt(attempt, max_failures)
                 _tag_nodes(reporter, placed)
                 return summary
             except Exception as err:
-                if not _attempt_failed(err):
+                if not attempt_failed(err):
                     raise
                 reason = failure_reason(err)
                 status = classify(reason)
-                placed = err.placed if pool else ray.get(roster.nodes.remote(attempt))
+                placed = err.placed if pool else ray.get(run.roster.nodes.remote(attempt))
             _tag_nodes(reporter, placed)
-            lost = _lost_nodes(placed)
+            lost = lost_nodes(placed)
             if lost:
                 status, reason = "node_lost", f"lost node {', '.join(lost)}: {reason}"
             if attempt == max_failures:
@@ -392,6 +197,62 @@ def launch_trial(
         raise AssertionError("unreachable")
 
 
+@dataclass
+class _Attempts:
+    """What every attempt of one trial on Ray shares: its workers' spec, environment and reporter,
+    where they go, and either the sweep's pool of warm groups or a roster of its own group's nodes."""
+
+    spec: Any
+    reporter: Any
+    workers_reporter: Any  # the reporter itself, or a relay to it when a node cannot reach the store
+    world_size: int
+    placement: Placement
+    env: Dict[str, str]
+    board: Any
+    key: int
+    pool: Any
+    roster: Any
+    name: str
+
+    def attempt(self, attempt: int, max_failures: int) -> Tuple[Dict[str, Any], Dict[int, Tuple[str, str]]]:
+        """One attempt: rank 0's summary and where each rank ran."""
+        import ray
+
+        placement, rt = self.placement, self.spec.runtime
+        units = placement.units(self.world_size, live_totals(placement.resource))
+        strategy = "STRICT_PACK" if placement.nodes == 1 else "PACK"
+        config = {
+            "spec": self.spec,
+            "reporter": self.workers_reporter,
+            "cwd": os.getcwd(),
+            "board": self.board,
+            "key": self.key,
+            "attempt": attempt,
+            "roster": self.roster,
+        }
+        log.info(
+            "trial on Ray: %d worker(s) x {%s: %d}%s%s%s",
+            self.world_size,
+            placement.resource,
+            units,
+            ", whole nodes" if placement.exclusive else "",
+            ", warm group pool" if self.pool else "",
+            f", restart {attempt} of {max_failures}" if attempt else "",
+        )
+        if self.pool:
+            timeout_s = float(math.ceil(float(rt.timeout_s)))
+            env = _group_env(self.spec, self.env)
+            summary, placed, group = ray_pool.run_trial(
+                self.pool, config, self.world_size, placement.resource, units, strategy, env, timeout_s
+            )
+            if self.reporter is not None:
+                self.reporter.tag("trial.worker_group", f"{group['group']} (trial {group['reused'] + 1})")
+            return summary, placed
+        name = f"{self.name}-{attempt}"
+        summary = _fit(config, self.world_size, placement, units, strategy, rt, self.env, name)
+        return summary, ray.get(self.roster.nodes.remote(attempt))
+
+
 def _group_env(spec: Any, env: Dict[str, str]) -> Dict[str, str]:
     """The environment a warm group's workers start with: the trial's, plus the determinism
     variables when ``trainer.deterministic`` (the trainer sets them in its process and never unsets
@@ -402,13 +263,6 @@ def _group_env(spec: Any, env: Dict[str, str]) -> Dict[str, str]:
     from trainers import rules
 
     return {**rules.determinism_env(spec.runtime.device_type), **env}
-
-
-def _attempt_failed(err: BaseException) -> bool:
-    """Whether ``err`` is an attempt's worker group failing (Ray Train's or a warm group's)."""
-    from ray.train import TrainingFailedError
-
-    return isinstance(err, (TrainingFailedError, ray_pool.GroupFailed))
 
 
 def _fit(

@@ -24,7 +24,17 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import chips, mlflow_reporter, mlflow_store, mlflow_ui, planner, ray_trial, sweep, tracking
+from orchestrator import (
+    chips,
+    mlflow_reporter,
+    mlflow_store,
+    mlflow_ui,
+    planner,
+    ray_cluster,
+    ray_trial,
+    sweep,
+    tracking,
+)
 from orchestrator.filled import fill
 from orchestrator.launch import TrialFailed, launch_local, start_workers_early, trial_nodes
 from orchestrator.ray_trial import BoardSlot, Placement
@@ -69,11 +79,11 @@ def resolve(cfg: DictConfig, launcher: Optional[str] = None) -> ResolvedTrial:
         raise ConfigError([why])
     lay = layout(cfg)
     nodes = trial_nodes(lay.world_size, int(cfg.chip.devices_per_node), int(cfg.launch.nnodes))
-    errors = validate(cfg) + ray_trial.launch_errors(cfg.chip, cfg.launch, lay.world_size, nodes)
+    errors = validate(cfg) + ray_cluster.launch_errors(cfg.chip, cfg.launch, lay.world_size, nodes)
     errors += cluster_errors(cfg, nodes)
     if errors:
         raise ConfigError(errors)
-    to_ray = launcher == "ray" or (launcher is None and ray_trial.goes_to_ray(nodes, cfg.launch.ray))
+    to_ray = launcher == "ray" or (launcher is None and ray_cluster.goes_to_ray(nodes, cfg.launch.ray))
     return ResolvedTrial(cfg, lay, nodes, "ray" if to_ray else "local", Placement.of(cfg.chip, cfg.launch.ray, nodes))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 from orchestrator import results
 
@@ -58,13 +58,8 @@ def _as_override_value(v: Any) -> str:
     return str(v)
 
 
-def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, name: str) -> Study:
-    """The study from the sweeper's config and the command line; StudyError lists every broken key.
-
-    Command-line sweep overrides (``KEY=a,b``) become variables after the preset's (or replace a
-    preset variable's candidates in place); a plain override of a preset variable fixes it.
-    """
-    errors: List[str] = []
+def _preset_space(spec: Dict[str, Any], parser: Any, errors: List[str]) -> Tuple["OrderedDict[str, List[str]]", str]:
+    """The preset's variables (``params``, or its alias ``variables``) and which key held them."""
     variables: "OrderedDict[str, List[str]]" = OrderedDict()
     space, where = spec.get("params") or {}, "params"
     if spec.get("variables"):
@@ -87,6 +82,12 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
         else:
             values = [_as_override_value(cands)]
         variables[str(key)] = values
+    return variables, where
+
+
+def _command_line(arguments: Sequence[str], parser: Any, variables, errors: List[str]):
+    """Sweep overrides (``KEY=a,b``) become variables, after the preset's or in place of one of
+    them; a plain override fixes its key. Returns the fixed overrides and their parsed values."""
     fixed: List[str] = []
     fixed_values: Dict[str, Any] = {}  # key -> value of each plain override, as Hydra parsed it
     for ov in parser.parse_overrides(list(arguments)):
@@ -103,6 +104,37 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
             variables.pop(key, None)
             fixed.append(ov.input_line)
             fixed_values[ov.key_or_group] = None if ov.is_delete() else ov.value()
+    return fixed, fixed_values
+
+
+def _study_errors(study: Study) -> List[str]:
+    errors = []
+    if not study.objective:
+        errors.append(f"{PREFIX}.objective: empty; name a metric every trial logs (e.g. step_time_median_s)")
+    if study.direction not in results.DIRECTIONS:
+        errors.append(f"{PREFIX}.direction={study.direction}: must be one of {', '.join(results.DIRECTIONS)}")
+    if study.repeats < 1:
+        errors.append(f"{PREFIX}.repeats={study.repeats}: must be at least 1 (2 or more measure the noise)")
+    if study.passes < 1:
+        errors.append(f"{PREFIX}.passes={study.passes}: must be at least 1")
+    if study.min_speedup < 1.0:
+        errors.append(f"{PREFIX}.min_speedup={study.min_speedup}: must be at least 1.0 (a speedup S >= 1)")
+    if study.loss_band <= 0:
+        errors.append(
+            f"{PREFIX}.loss_band={study.loss_band}: must be above 0 (a fraction of the baseline's final loss)"
+        )
+    return errors
+
+
+def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, name: str) -> Study:
+    """The study from the sweeper's config and the command line; StudyError lists every broken key.
+
+    Command-line sweep overrides (``KEY=a,b``) become variables after the preset's (or replace a
+    preset variable's candidates in place); a plain override of a preset variable fixes it.
+    """
+    errors: List[str] = []
+    variables, where = _preset_space(spec, parser, errors)
+    fixed, fixed_values = _command_line(arguments, parser, variables, errors)
     for key, values in list(variables.items()):
         unique = list(OrderedDict.fromkeys(values))
         if len(unique) < 2:
@@ -136,20 +168,7 @@ def parse_study(spec: Dict[str, Any], arguments: Sequence[str], parser: Any, nam
         planner_skip=bool(spec.get("planner_skip", True)),
         space=where,
     )
-    if not study.objective:
-        errors.append(f"{PREFIX}.objective: empty; name a metric every trial logs (e.g. step_time_median_s)")
-    if study.direction not in results.DIRECTIONS:
-        errors.append(f"{PREFIX}.direction={study.direction}: must be one of {', '.join(results.DIRECTIONS)}")
-    if study.repeats < 1:
-        errors.append(f"{PREFIX}.repeats={study.repeats}: must be at least 1 (2 or more measure the noise)")
-    if study.passes < 1:
-        errors.append(f"{PREFIX}.passes={study.passes}: must be at least 1")
-    if study.min_speedup < 1.0:
-        errors.append(f"{PREFIX}.min_speedup={study.min_speedup}: must be at least 1.0 (a speedup S >= 1)")
-    if study.loss_band <= 0:
-        errors.append(
-            f"{PREFIX}.loss_band={study.loss_band}: must be above 0 (a fraction of the baseline's final loss)"
-        )
+    errors += _study_errors(study)
     if errors:
         raise StudyError(errors)
     expected = LOWER_IS_BETTER.get(study.objective)

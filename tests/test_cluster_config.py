@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orchestrator import chips, relay
-from orchestrator.ray_trial import worker_env
+from orchestrator.ray_cluster import worker_env
 from orchestrator.trial import ConfigError, resolve
 from tests.conftest import run_cli
 from trainers import checkpoint as ckpt

@@ -128,7 +128,7 @@ def test_the_ray_reason_names_the_timed_out_rank_not_a_collateral_peer():
     from types import SimpleNamespace
 
     from orchestrator.launch import classify
-    from orchestrator.ray_trial import failure_reason
+    from orchestrator.ray_failures import failure_reason
 
     err = SimpleNamespace(
         worker_failures={0: RuntimeError("[gloo] Connection reset by peer"), 1: RuntimeError(GLOO_TIMEOUT)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import ray_trial
+from orchestrator import ray_cluster, ray_failures, ray_trial
 from orchestrator.launch import TrialFailed, launch_local
 from orchestrator.trial import ConfigError, launch_path, prepare, resolve
 
@@ -17,7 +17,7 @@ def no_cluster(monkeypatch):
 def test_a_trial_on_one_node_keeps_the_local_launcher(compose_cfg):
     trial = resolve(compose_cfg(["+chip=cpu", "parallel=dp2"]))
     assert (trial.path, trial.nodes, trial.layout.world_size) == ("local", 1, 2)
-    assert not ray_trial.goes_to_ray(trial.nodes, trial.cfg.launch.ray)
+    assert not ray_cluster.goes_to_ray(trial.nodes, trial.cfg.launch.ray)
     assert launch_path(trial) is launch_local
     forced = resolve(compose_cfg(["+chip=cpu", "parallel=dp2"]), launcher="ray")  # hydra/launcher=ray
     assert forced.path == "ray" and launch_path(forced).func is ray_trial.launch_trial
@@ -27,7 +27,7 @@ def test_a_trial_on_one_node_keeps_the_local_launcher(compose_cfg):
 
 def test_a_cluster_address_sends_every_trial_to_ray(compose_cfg, monkeypatch):
     trial = resolve(compose_cfg(["+chip=cpu", "launch.ray.address=10.0.0.1:6379"]))
-    assert trial.path == "ray" and ray_trial.goes_to_ray(trial.nodes, trial.cfg.launch.ray)
+    assert trial.path == "ray" and ray_cluster.goes_to_ray(trial.nodes, trial.cfg.launch.ray)
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     trial = resolve(compose_cfg(["+chip=cpu"]))
     assert launch_path(trial) is not launch_local
@@ -96,7 +96,7 @@ def test_a_failed_worker_group_is_explained_by_its_first_real_error():
             1: NonFiniteError("Traceback ...\nnon-finite gradient norm at step 4"),
         },
     )
-    reason = ray_trial.failure_reason(err)
+    reason = ray_failures.failure_reason(err)
     assert reason == "rank 1: NonFiniteError: non-finite gradient norm at step 4"
     from orchestrator.launch import classify
 
