@@ -246,7 +246,7 @@ class Search:
 
 def kendall_tau(entries: Sequence[Entry]) -> Optional[float]:
     """Rank agreement of the planner's (uncorrected) predictions with the measured step times."""
-    from orchestrator.planner.calibration import kendall_tau as tau
+    from orchestrator.planner.rank_stats import kendall_tau as tau
 
     done = [e for e in entries if e.status == "finished"]
     return tau([e.predicted_s for e in done], [e.measured_s for e in done])

@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from orchestrator import chips, conf_dir, planner
 from orchestrator.config import Config
 from orchestrator.planner import ModelShape, ParallelShape
-from orchestrator.planner.calibration import HOST_FACTORS, kendall_tau
+from orchestrator.planner.calibration import HOST_FACTORS
+from orchestrator.planner.rank_stats import kendall_tau
 from orchestrator.planner.step_time import HostCosts
 
 DEFAULTS = OmegaConf.structured(Config)

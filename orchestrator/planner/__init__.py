@@ -23,18 +23,15 @@ Composing, validating and planning a config import no torch: the operator captur
 from orchestrator.planner.calibration import (
     Calibration,
     HeldOut,
-    MeasuredTrial,
     calibrate,
-    config_from_params,
     cross_validate,
     evaluate,
     layout_name,
-    measured_trials,
     predict,
-    spearman_rho,
     split_by_layout,
     trial_parts,
 )
+from orchestrator.planner.measured import MeasuredTrial, config_from_params, measured_trials
 from orchestrator.planner.memory import (
     MemoryPlan,
     ModelState,
@@ -60,6 +57,7 @@ from orchestrator.planner.preflight import (
     state_bytes_per_rank,
     with_model_overrides,
 )
+from orchestrator.planner.rank_stats import spearman_rho
 from orchestrator.planner.search import default_microbatches, layout_config, layouts, plan_devices, plan_space
 from orchestrator.planner.shapes import (
     BYTES,

@@ -14,25 +14,18 @@ correlation of its step times with the measured ones (Spearman's rho, Kendall's 
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from orchestrator.planner.measured import MeasuredTrial
+from orchestrator.planner.rank_stats import kendall_tau, spearman_rho
 from orchestrator.planner.shapes import ModelShape, ParallelShape
 from orchestrator.planner.step_time import HostCosts, StepParts, combine, step_parts
 from orchestrator.validate import layout
-
-
-@dataclass
-class MeasuredTrial:
-    run_id: str
-    cfg: DictConfig
-    step_time_s: float
-    peak_mem_gb: Optional[float] = None
 
 
 @dataclass
@@ -87,119 +80,6 @@ class Calibration:
         """Write every factor into a planner section (what ``--calibrate`` plans with)."""
         for key, value in self.values().items():
             setattr(planner, key, value)
-
-
-def _parse_param(text: str) -> Any:
-    if text in ("None", "null"):
-        return None
-    if text in ("True", "False"):
-        return text == "True"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    if text[:1] in "[{":
-        try:
-            return json.loads(text)
-        except ValueError:
-            pass
-    return text
-
-
-def config_from_params(params: Dict[str, str], metrics: Optional[Dict[str, float]] = None) -> DictConfig:
-    """The trial's config rebuilt from its MLflow params (the flattened resolved config, see
-    tracking.flatten) onto the schema; its layout from the run's dp/tp/pp metrics."""
-    from orchestrator.config import Config
-
-    tree: Dict[str, Any] = {}
-    sections = set(Config.__dataclass_fields__)
-    for key, text in params.items():
-        parts = key.split(".")
-        if parts[0] not in sections or len(parts) < 2:
-            continue
-        node = tree
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = _parse_param(text)
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), tree)
-    metrics = metrics or {}
-    if all(k in metrics for k in ("dp", "tp", "pp")):
-        cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = (int(metrics[k]) for k in ("dp", "tp", "pp"))
-        cfg.launch.world_size = int(metrics["dp"] * metrics["tp"] * metrics["pp"])
-    return cfg
-
-
-def measured_trials(uri: str, experiment: str, chip: Optional[str] = None) -> List[MeasuredTrial]:
-    """Finished, not emulated trials (of ``chip``) with a measured ``step_time_median_s``."""
-    from orchestrator import tracking
-
-    c = tracking.client(uri)
-    exp = c.get_experiment_by_name(experiment)
-    if exp is None:
-        return []
-    out = []
-    for run in c.search_runs([exp.experiment_id], filter_string="tags.`trial.status` = 'finished'", max_results=5000):
-        tags, metrics = run.data.tags, run.data.metrics
-        if tags.get("emulated") == "true" or (chip and tags.get("chip") != chip):
-            continue
-        if "step_time_median_s" not in metrics:
-            continue
-        try:
-            cfg = config_from_params(run.data.params, metrics)
-        except Exception:  # noqa: BLE001 - a run from an older schema: not usable for fitting
-            continue
-        out.append(
-            MeasuredTrial(run.info.run_id, cfg, float(metrics["step_time_median_s"]), metrics.get("peak_mem_gb"))
-        )
-    return out
-
-
-def _ranks(xs: Sequence[float]) -> List[float]:
-    order = sorted(range(len(xs)), key=lambda i: xs[i])
-    ranks = [0.0] * len(xs)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
-            j += 1
-        for k in range(i, j + 1):
-            ranks[order[k]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
-
-
-def spearman_rho(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
-    """Spearman's rank correlation (ties get their average rank); None below two points."""
-    if len(a) < 2:
-        return None
-    ra, rb = _ranks(a), _ranks(b)
-    ma, mb = statistics.fmean(ra), statistics.fmean(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
-    den = math.sqrt(sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb))
-    return cov / den if den > 0 else None
-
-
-def kendall_tau(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
-    """Kendall's tau-b (ties in either ranking discounted); None below two points or without pairs."""
-    if len(a) < 2:
-        return None
-    concordant = discordant = ties_a = ties_b = 0
-    for i in range(len(a)):
-        for j in range(i + 1, len(a)):
-            da, db = a[i] - a[j], b[i] - b[j]
-            if da == 0 and db == 0:
-                continue
-            if da == 0:
-                ties_a += 1
-            elif db == 0:
-                ties_b += 1
-            elif (da > 0) == (db > 0):
-                concordant += 1
-            else:
-                discordant += 1
-    den = math.sqrt((concordant + discordant + ties_a) * (concordant + discordant + ties_b))
-    return (concordant - discordant) / den if den > 0 else None
 
 
 def layout_name(cfg: DictConfig) -> str:
