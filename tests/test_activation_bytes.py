@@ -1,4 +1,4 @@
-"""The planner's activation bytes (``orchestrator/planner/memory.py``) against what autograd
+"""The planner's activation bytes (``orchestrator/planner/activations.py``) against what autograd
 saves in the trainer's model, knob by knob, in one process (tp=1, CPU).
 
 Saved bytes are counted with ``tests/test_saved_activations.py``'s :class:`SavedBytes` (saved-tensor
@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_saved_activations import SavedBytes
 
-from orchestrator.planner.memory import (
+from orchestrator.planner.activations import (
     ActBytes,
     checkpointed_layer_bytes,
     embedding_activation_bytes,

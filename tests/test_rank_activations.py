@@ -1,4 +1,4 @@
-"""The planner's activations per rank (``orchestrator.planner.memory.rank_activation_bytes``)
+"""The planner's activations per rank (``orchestrator.planner.activations.rank_activation_bytes``)
 against what autograd holds on each rank of the trainer, layout by layout.
 
 Each case builds the trainer's own ``RankModel`` (stages, TP plan, sequence parallelism, DDP or
@@ -33,7 +33,7 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import trial
-from orchestrator.planner.memory import ActBytes, rank_activation_bytes
+from orchestrator.planner.activations import ActBytes, rank_activation_bytes
 from orchestrator.planner.shapes import ModelShape, ParallelShape, rank_contents
 from orchestrator.validate import layout
 from tests.conftest import composed, on_ranks

@@ -20,6 +20,11 @@ Composing, validating and planning a config import no torch: the operator captur
 ``trainers.ops`` when first called.
 """
 
+from orchestrator.planner.activations import (
+    checkpointed_layer_bytes,
+    inflight_microbatches,
+    layer_activation_bytes,
+)
 from orchestrator.planner.calibration import (
     Calibration,
     HeldOut,
@@ -35,11 +40,8 @@ from orchestrator.planner.measured import MeasuredTrial, config_from_params, mea
 from orchestrator.planner.memory import (
     MemoryPlan,
     ModelState,
-    checkpointed_layer_bytes,
     communicators,
     dp_buffer_bytes,
-    inflight_microbatches,
-    layer_activation_bytes,
     memory_plan,
     model_state,
     model_state_bytes,

@@ -33,8 +33,10 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.planner.memory import (
+from orchestrator.planner.activations import (
     ActBytes,
+)
+from orchestrator.planner.memory import (
     MemoryPlan,
     ModelState,
     communicator_bytes,

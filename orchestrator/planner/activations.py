@@ -1,0 +1,225 @@
+"""Activation memory per rank (bytes), as autograd keeps it in the trainer's model.
+
+What autograd saves in the trainer's model, tensor by tensor and dtype by dtype (:class:`ActBytes`:
+residual stream in the parameter dtype, matmuls in the compute dtype, norms and the decomposed
+softmax in fp32 when ``precision.fp32_ops`` lists them; dropout masks only when ``model.dropout >
+0``, 1 byte on CUDA/NPU), per block (:func:`layer_activation_bytes`: norms, the linears' input (one
+cast copy per linear when the residual is wider than the compute dtype), q and K/V at kv-heads
+width, the fused kernel's output and log-sum-exp or the decomposed probabilities, the MLP's
+d_ff-wide tensors), for the embedding's ids and for the final norm, head input and the fp32
+log-softmax of the rank's vocabulary shard (:func:`head_activation_bytes`); autocast's
+compute-dtype copies of fp32 weights once per rank (:func:`layer_weight_cast_bytes`). Under tensor
+parallelism attention and the MLP are 1/t, the norms and residual masks 1/t only with sequence
+parallelism, and the linears' input whole on every rank (replicated, or gathered with sequence
+parallelism). Full activation checkpointing keeps each block's input (residual dtype, 1/t with
+sequence parallelism), plus one block's full set while it is recomputed.
+``tests/test_activation_bytes.py`` measures the tp=1 terms with saved-tensor hooks on CPU (within
+5%, to the byte in most cases); ``tests/test_rank_activations.py`` measures the composition per
+rank (the peak of what autograd holds through one step of the trainer's own ``RankModel``) on tp2,
+tp2 with sequence parallelism, dp2 with DDP and FSDP, every pipeline schedule, tp2pp2, dp2tp2 and
+pp4, in fp32, bf16 and fp16 compute: within 0.2%, most to the byte. The recompute peak of
+checkpointing is not measured (the checkpoint's own hooks hide it from outer ones). Each rank holds
+the activations of its in-flight microbatches: 1 without a pipeline, all m for GPipe, ``min(m, p -
+rank)`` for 1F1B, Megatron's interleaved warm-up ``((p - rank - 1) 2 + (v - 1) p + 1) / v`` (for
+rank 0, ``p (1 + (p-1)/(p v))``), and ``min(m, p)`` on every rank for ZB-V (Qi et al. 2024: the
+same peak as 1F1B); the head and loss once (every microbatch's under GPipe).
+
+The loss's own peak (:func:`loss_transient_bytes`): the gradients its backward allocates over
+the vocabulary, not saved tensors but on top of them at the step's peak; counted in
+``activations`` of the head's rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.planner.shapes import (
+    BYTES,
+    ModelShape,
+    ParallelShape,
+)
+
+
+@dataclass(frozen=True)
+class ActBytes:
+    """Bytes per element of what the trainer's forward saves, by the trainer's precision rules
+    (``trainers/precision.py``, ``trainers/model.py in_dtype``).
+
+    ``residual``: the residual stream, in the parameter dtype (the embedding is no autocast op, and
+    the residual adds promote to it). ``linear``: the matmuls' inputs and outputs, autocast's
+    compute dtype (the parameter dtype when that is narrower: no autocast widens). ``norm`` and
+    ``softmax``: fp32 when listed in ``precision.fp32_ops``, the compute dtype otherwise. ``mask``:
+    a dropout mask, 1 byte (``native_dropout``'s bool mask on CUDA and NPU) or, on a CPU, the
+    dropped tensor's dtype (its ``input * noise`` fallback). ``param``: the parameter dtype;
+    ``weight_casts``: autocast keeps a ``linear``-dtype copy of every fp32 matrix it multiplies."""
+
+    residual: int
+    linear: int
+    norm: int
+    softmax: int
+    mask: int
+    param: int
+    fused_out_copy: bool = False  # the fused kernel's output is (b, heads, s, hd)-major: wo reads a copy
+
+    @classmethod
+    def of(cls, precision: Any, m: ModelShape, device_type: str = "cuda") -> "ActBytes":
+        pb, cb = BYTES[precision.param_dtype], BYTES[precision.compute_dtype]
+        ops = set(getattr(precision, "fp32_ops", None) or ())
+        lin = min(pb, cb)
+        return cls(
+            residual=pb,
+            linear=lin,
+            norm=4 if ("layer_norm" if m.layernorm else "rms_norm") in ops else cb,
+            softmax=4 if "softmax" in ops else cb,
+            mask=lin if device_type == "cpu" else 1,
+            param=pb,
+            # CUDA's flash and memory-efficient kernels give (b, s, heads, hd)-major output, so
+            # wo's input is a view of it; the NPU kernel's BNSD output, and the CPU's for a
+            # contiguous (RoPE-rotated) query, are (b, heads, s, hd)-major, so it is a copy
+            fused_out_copy=device_type == "npu" or (device_type == "cpu" and not m.learned_pos),
+        )
+
+    @property
+    def weight_casts(self) -> bool:
+        return self.param > self.linear
+
+
+def _norm_bytes(m: ModelShape, tokens: float, ab: ActBytes) -> float:
+    """One norm: LayerNorm saves its input (cast to the norm dtype) and fp32 mean and rstd;
+    the RMSNorm of trainers/model.py its input, ``x * rsqrt(...)`` and the rsqrt; plus the
+    weight's (and bias's) cast where the norm dtype is not the parameter dtype."""
+    n = ab.norm
+    saved = tokens * m.d * n + 2 * tokens * 4 if m.layernorm else 2 * tokens * m.d * n + tokens * n
+    return saved + (m.norm_params * n if ab.param != n else 0)
+
+
+def layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes) -> float:
+    """Bytes one transformer block saves for its backward, per microbatch and TP rank (the
+    activations only: autocast's weight copies are :func:`layer_weight_cast_bytes`).
+
+    Tensor by tensor, as autograd saves them in ``trainers/model.py`` (``tests/test_activation_bytes.py``
+    measures them): two norms (:func:`_norm_bytes`, on a 1/t sequence shard with sequence
+    parallelism); the linears' input, whole on every TP rank (replicated, or gathered along the
+    sequence with sequence parallelism), once when the residual dtype is the compute dtype, else one
+    cast copy per linear that reads it (q, k, v; w1 and w3); q, and k and v at kv-heads width; the
+    fused kernel's output and fp32 log-sum-exp, or the decomposed path's probabilities (softmax
+    dtype, plus their compute-dtype copy) and causal mask; the attention output's reshaped copy for
+    wo; the MLP's d_ff-wide tensors (2 for GELU, 4 for SwiGLU); with dropout > 0 the masks of the
+    two residual branches (and of the probabilities, decomposed) and the dropped probabilities; RoPE's
+    cos/sin tables cast to a 16-bit compute dtype (``ActBytes.fused_out_copy``: whether wo reads a
+    copy of the fused kernel's output). Everything inside attention and the MLP is 1/t."""
+    T = seq * b
+    u = tp if sp else 1
+    lin, hd = ab.linear, m.d // m.heads
+    heads, kv_w = m.heads / tp, m.kv_heads * hd / tp
+    casts = ab.residual != lin  # the norm's output is cast anew by each linear that reads it
+    out = 2 * _norm_bytes(m, T / u, ab)
+    out += (3 if casts else 1) * T * m.d * lin  # attention's input
+    out += ((2 if m.swiglu else 1) if casts else 1) * T * m.d * lin  # the MLP's input
+    out += T * (heads * hd + 2 * kv_w) * lin  # q, k, v
+    drop = m.dropout > 0
+    if m.fused_attention:
+        out += T * heads * hd * lin + b * heads * seq * 4  # the kernel's output and log-sum-exp
+        out += T * heads * hd * lin if ab.fused_out_copy else 0.0  # wo's input, a copy of it
+    else:
+        e = b * heads * seq * seq
+        out += T * heads * hd * lin  # wo's input: the (b, heads, s, hd) product reshaped, a copy
+        out += e * ab.softmax + seq * seq  # probabilities, the causal mask
+        if drop:
+            out += e * (ab.mask + lin)  # the mask and the dropped probabilities
+        elif ab.softmax != lin:
+            out += e * lin  # the probabilities' compute-dtype copy
+    if not m.learned_pos and lin != 4:
+        out += 2 * seq * hd * lin  # cos and sin cast, for q and for k
+    out += (4 if m.swiglu else 2) * T * m.d_ff / tp * lin
+    if drop:
+        out += 2 * T / u * m.d * ab.mask  # the residual branches' masks
+    return out
+
+
+def layer_weight_cast_bytes(m: ModelShape, tp: int, ab: ActBytes) -> float:
+    """Autocast's compute-dtype copies of one block's fp32 matrices (kept while autocast's context
+    lasts, for the backward): none unless the parameters are wider than the compute dtype."""
+    return m.layer_sharded / tp * ab.linear if ab.weight_casts else 0.0
+
+
+def checkpointed_layer_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes) -> float:
+    """Full recomputation (``torch.utils.checkpoint``, non-reentrant) keeps only each block's
+    input, in the residual dtype (a 1/t sequence shard with sequence parallelism)."""
+    return seq * b * m.d * ab.residual / (tp if sp else 1)
+
+
+def embedding_activation_bytes(m: ModelShape, seq: int, b: int) -> float:
+    """The embedding saves its int64 token ids (and the learned positions' int64 indices)."""
+    return 8 * seq * b + (8 * seq if m.learned_pos else 0)
+
+
+def head_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes) -> float:
+    """The final norm, the head's input (whole on every TP rank), the fp32 log-softmax of this
+    rank's vocabulary shard, and the int64 targets (with TP the vocab-parallel loss's bool mask;
+    without, ``nll_loss``'s 4-byte total weight): ``bench/saved_activations.py``'s formula."""
+    T = seq * b
+    loss = 4 * T * -(-m.vocab // tp) + (9 * T if tp > 1 else 8 * T + 4)
+    return _norm_bytes(m, T / (tp if sp else 1), ab) + T * m.d * ab.linear + loss
+
+
+def loss_transient_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes) -> float:
+    """What the loss allocates beyond what it saves, at its own peak, over the rank's vocabulary
+    shard of ``T = b * seq`` tokens: the plain cross-entropy's backward holds the fp32 gradient
+    of its log-softmax output (``nll_loss``'s, dense) beside the fp32 gradient it makes of the
+    logits (8 bytes a logit; the forward's head output and its fp32 copy, 6, are fewer); the
+    vocab-parallel loss computes its gradient in place on the saved softmax, so its peak is in
+    the forward, where the head's output and its fp32 copy (one tensor when the output is fp32)
+    stand beside the softmax being built. Not saved tensors, so not in
+    :func:`rank_activation_bytes`; measured with every other allocation of a step in
+    ``tests/test_step_peak.py``; on an H200 (``bench/device_check.py``, docs/benchmarks.md) the
+    plan's allocator-side terms were 3.99 GiB (gpt2_small) and 7.96 GiB (llama_1b) under the
+    allocator's peak without it, and 0.99 and 1.02 of it with it."""
+    logits = b * seq * -(-m.vocab // tp)
+    if tp == 1:
+        return 8.0 * logits
+    return (4.0 + (ab.linear if ab.linear < 4 else 0)) * logits
+
+
+def head_weight_cast_bytes(m: ModelShape, tp: int, ab: ActBytes) -> float:
+    return m.vocab * m.d / tp * ab.linear if ab.weight_casts else 0.0
+
+
+def inflight_microbatches(s: ParallelShape, rank: int) -> float:
+    """Microbatches whose activations a pipeline rank holds at its peak, in units of the rank's
+    whole share of layers."""
+    if s.pp == 1:
+        return 1.0
+    if s.schedule == "gpipe":
+        return float(s.microbatches)
+    if s.schedule == "interleaved_1f1b":
+        v = s.virtual_stages
+        chunk_mbs = min(s.microbatches * v, (s.pp - rank - 1) * 2 + (v - 1) * s.pp + 1)
+        return chunk_mbs / v
+    if s.schedule == "zbv":
+        return float(min(s.microbatches, s.pp))
+    return float(min(s.microbatches, s.pp - rank))
+
+
+def rank_activation_bytes(m: ModelShape, s: ParallelShape, rc: Any, rank: int, ab: ActBytes) -> float:
+    """Activation bytes pipeline rank ``rank`` (holding ``rc``) keeps at its peak: its in-flight
+    microbatches' blocks (inputs only under checkpointing, plus one block's full set while it
+    is recomputed), the embedding's ids, the head and loss (every microbatch's under GPipe, else
+    one), and autocast's weight copies once (one block's only under checkpointing without a
+    pipeline, where each forward's autocast context closes before its backward)."""
+    seq, b, tp, sp = s.seq_len, s.micro_batch, s.tp, s.sequence_parallel
+    layers = len(rc.layers)
+    full = layer_activation_bytes(m, seq, b, tp, sp, ab)
+    kept = checkpointed_layer_bytes(m, seq, b, tp, sp, ab) if m.checkpointing else full
+    k = inflight_microbatches(s, rank)
+    act = k * layers * kept + (full if m.checkpointing and layers else 0.0)
+    cast_layers = min(layers, 1) if m.checkpointing and s.pp == 1 else layers
+    act += cast_layers * layer_weight_cast_bytes(m, tp, ab)
+    if rc.embedding:
+        act += k * embedding_activation_bytes(m, seq, b)
+    if rc.head:
+        head_k = s.microbatches if s.pp > 1 and s.schedule == "gpipe" else 1
+        act += head_k * head_activation_bytes(m, seq, b, tp, sp, ab)
+        act += head_weight_cast_bytes(m, tp, ab)
+    return act
