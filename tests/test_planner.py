@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from orchestrator import chips, conf_dir, planner, tracking, trial
 from orchestrator.config import Config
 from orchestrator.planner import ModelShape, ParallelShape
-from orchestrator.planner import memory as pmem
+from orchestrator.planner import activations as pacts
 from tests.conftest import ROOT, cli_env
 from trainers.ops import (
     FUSED_ATTENTION,
@@ -197,7 +197,7 @@ def test_weights_and_optimizer_match_megatron(cfg):
 
 
 def _paper_bytes(prec, m, device="cuda"):
-    return pmem.ActBytes.of(prec, m, device)
+    return pacts.ActBytes.of(prec, m, device)
 
 
 @pytest.mark.parametrize("cfg", PUBLISHED, ids=[c["name"] for c in PUBLISHED])
@@ -222,7 +222,7 @@ def test_activations_against_megatron_and_korthikanti(cfg):
     assert mp.rank == 0  # 1F1B: the first stage holds p microbatches, the most
     layers = cfg["L"] // cfg["p"]
     assert mp.activations == pytest.approx(
-        cfg["p"] * layers * ours + cfg["p"] * pmem.embedding_activation_bytes(m, s_len, b), rel=1e-9
+        cfg["p"] * layers * ours + cfg["p"] * pacts.embedding_activation_bytes(m, s_len, b), rel=1e-9
     )
     expected = megatron_activation_bytes(s_len, b, cfg["h"], cfg["L"], cfg["t"], cfg["p"], s.microbatches)
     assert 1.0 <= mp.activations / expected <= 2.0
@@ -291,11 +291,11 @@ def test_parallelism_divides_what_it_shards():
     assert sp8.activations < tp8.activations < base.activations
     # 1F1B: the first of 4 stages holds a quarter of the layers but 4 microbatches of them
     assert states(pp4) == pytest.approx(states(base) / 4, rel=0.05)
-    ab = pmem.ActBytes.of(prec, m, chip.device_type)
+    ab = pacts.ActBytes.of(prec, m, chip.device_type)
     # (autocast's weight copies once per block the stage holds, not per microbatch)
     layers = planner.layer_activation_bytes(m, 4096, 1, 1, False, ab) * m.layers
-    casts = pmem.layer_weight_cast_bytes(m, 1, ab) * m.layers / 4
-    assert pp4.activations == pytest.approx(layers + casts + 4 * pmem.embedding_activation_bytes(m, 4096, 1))
+    casts = pacts.layer_weight_cast_bytes(m, 1, ab) * m.layers / 4
+    assert pp4.activations == pytest.approx(layers + casts + 4 * pacts.embedding_activation_bytes(m, 4096, 1))
 
 
 def test_activation_checkpointing_and_decomposed_attention():
@@ -316,18 +316,18 @@ def test_activation_checkpointing_and_decomposed_attention():
     )
     dec = planner.memory_plan(model(**kw, attn_impl="decomposed"), s, prec, DEFAULTS.comm, chip, DEFAULTS.planner)
     m, mc, md = model(**kw), model(**kw, activation_checkpointing=True), model(**kw, attn_impl="decomposed")
-    ab = pmem.ActBytes.of(prec, m, chip.device_type)
+    ab = pacts.ActBytes.of(prec, m, chip.device_type)
     one_layer = planner.layer_activation_bytes(m, 4096, 1, 1, False, ab)
-    ends = pmem.embedding_activation_bytes(m, 4096, 1) + pmem.head_activation_bytes(m, 4096, 1, 1, False, ab)
-    ends += pmem.loss_transient_bytes(m, 4096, 1, 1, ab)  # the loss's own peak, on top of what is saved
-    casts = pmem.layer_weight_cast_bytes(m, 1, ab)
-    assert plain.activations == pytest.approx(32 * (one_layer + casts) + ends + pmem.head_weight_cast_bytes(m, 1, ab))
+    ends = pacts.embedding_activation_bytes(m, 4096, 1) + pacts.head_activation_bytes(m, 4096, 1, 1, False, ab)
+    ends += pacts.loss_transient_bytes(m, 4096, 1, 1, ab)  # the loss's own peak, on top of what is saved
+    casts = pacts.layer_weight_cast_bytes(m, 1, ab)
+    assert plain.activations == pytest.approx(32 * (one_layer + casts) + ends + pacts.head_weight_cast_bytes(m, 1, ab))
     # checkpointing keeps each block's input (fp32 here: the residual is in the parameter dtype),
     # one block's full set while it is recomputed, and one block's weight copies
     kept = planner.checkpointed_layer_bytes(mc, 4096, 1, 1, False, ab)
     assert kept == 4096 * 4096 * 4
     assert ckpt.activations == pytest.approx(
-        32 * kept + one_layer + casts + ends + pmem.head_weight_cast_bytes(m, 1, ab)
+        32 * kept + one_layer + casts + ends + pacts.head_weight_cast_bytes(m, 1, ab)
     )
     # the decomposed attention keeps the a s^2 probabilities (fp32: bf16 compute, softmax in
     # fp32_ops by default) and their bf16 copy, and the s^2 causal mask, in every layer
