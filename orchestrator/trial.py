@@ -214,14 +214,27 @@ def _journal(run_id: str) -> str:
 def _checkpoint_dir(cfg: DictConfig, run_id: str) -> str:
     """The trial's checkpoint folder, shared by its ranks and by its restarted worker groups.
     Unset: ``./checkpoints/<run id>``. Set, for one trial: that folder itself (the same command
-    run again resumes from it). Set, in a sweep: a root, each trial in ``<root>/<run id>``, so that
-    no trial resumes from another's checkpoints."""
+    run again resumes from it). Set, in a sweep (a multirun, tracked or not): a root, each trial in
+    ``<root>/<run id>`` (a random id without tracking), so that no trial resumes from another's
+    checkpoints."""
     root = cfg.trainer.checkpoint_dir
     if not root:
         return str(Path("checkpoints").resolve() / run_id)
-    if sweep.child_tags(cfg.tracking):
+    if sweep.current() is not None or _in_multirun():
         return str(root).rstrip("/") + "/" + run_id
     return str(root)
+
+
+def _in_multirun() -> bool:
+    """Is this a job of a Hydra multirun? Its own config says so (``hydra.mode``), with tracking
+    on or off: a sweep's trials never share one checkpoint folder."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:  # noqa: BLE001 - not a Hydra job (a test, a notebook)
+        return False
 
 
 @dataclass

@@ -98,3 +98,29 @@ def test_a_checkpoint_reshards_into_another_layout(compose_cfg, tmp_path):
     assert moved["status"] == "finished", moved.get("reason")
     assert moved["summary"]["resumed_from_step"] == 4
     assert moved["summary"]["losses"] == pytest.approx(ref["summary"]["losses"][4:], rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["RUN", "MULTIRUN"])
+def test_a_multirun_gives_each_trial_its_own_folder_under_checkpoint_dir(tmp_path, mode):
+    """One trial checkpoints into ``trainer.checkpoint_dir`` itself (a rerun resumes from it); a job
+    of a multirun, tracked or not, into ``<checkpoint_dir>/<run id>``, so that no trial of a sweep
+    resumes from another's checkpoints."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from orchestrator import conf_dir
+    from orchestrator.config import register_configs
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    overrides = [f"trainer.checkpoint_dir={tmp_path}", "tracking.enabled=false", f"hydra.mode={mode}"]
+    try:
+        with initialize_config_dir(str(conf_dir()), version_base="1.3"):
+            cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        folder = trial._checkpoint_dir(cfg, "r1")
+    finally:
+        HydraConfig.instance().cfg = None
+        GlobalHydra.instance().clear()
+    assert folder == (f"{tmp_path}/r1" if mode == "MULTIRUN" else str(tmp_path))

@@ -142,8 +142,13 @@ def test_rank0_on_a_node_without_the_store_and_a_lost_node_resumes(cluster, star
         driver,
         c.address,
     )
-    _wait_for(lambda: (ckpt / "step_00000005").is_dir(), proc, uri, ckpt)
-    first = _run(uri).data.tags["trial.rank0_node"]
+
+    def placed():  # rank 0's node reaches the store through the relay, maybe after the checkpoint
+        run = _run(uri) if (ckpt / "step_00000005").is_dir() else None
+        return run.data.tags.get("trial.rank0_node") if run else None
+
+    _wait_for(placed, proc, uri, ckpt)
+    first = placed()
     names = cluster["names"]
     assert names[first] in ("a", "b", "c")  # never the driver's (head) node
     c.kill(names[first])
@@ -225,7 +230,8 @@ def test_without_spare_capacity_a_lost_node_ends_the_trial_and_the_sweep_goes_on
 
     def big():  # in a sweep, each trial checkpoints into <checkpoint_dir>/<its run id>
         runs = [r for r in search_runs(uri) if r.data.tags.get("layout") == "dp1tp2pp2"]
-        return runs[0] if runs and (ckpt / runs[0].info.run_id / "step_00000005").is_dir() else None
+        ready = runs and (ckpt / runs[0].info.run_id / "step_00000005").is_dir()
+        return runs[0] if ready and "trial.rank0_node" in runs[0].data.tags else None
 
     _wait_for(big, proc, uri, ckpt)
     names = cluster["names"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -138,8 +139,12 @@ def test_the_ray_reason_names_the_timed_out_rank_not_a_collateral_peer():
     assert classify(reason) == "timeout"
 
 
+MESH_TIMEOUT_S, LATE_S = 8, 10
+
+
 def _mesh_timeouts(rank: int, world: int, port: int, out_dir: str) -> None:
-    """One of ``world`` gloo workers: join as a trial's worker does (timeout 37 s), build the
+    """One of ``world`` gloo workers: join as a trial's worker does (timeout ``MESH_TIMEOUT_S``;
+    the last rank ``LATE_S`` later than the others, as a loaded node's rank may), build the
     dp2 x pp1 x tp2 mesh, write the timeout of every process group this rank is in."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch.distributed as dist
@@ -148,7 +153,9 @@ def _mesh_timeouts(rank: int, world: int, port: int, out_dir: str) -> None:
     from trainers.parallel import build_mesh, group_timeout
     from trainers.runtime import init_process_group
 
-    init_process_group(RuntimeConfig(backend="gloo", timeout_s=37))
+    if rank == world - 1:
+        time.sleep(LATE_S)
+    init_process_group(RuntimeConfig(backend="gloo", timeout_s=MESH_TIMEOUT_S))
     try:
         mesh = build_mesh("cpu", ParallelConfig(dp=2, pp=1, tp=2))
         groups = {"world": dist.group.WORLD, **{d: mesh.group(d) for d in ("dp", "pp", "tp")}}
@@ -166,7 +173,8 @@ def _mesh_timeouts(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_every_group_of_a_dp2tp2_mesh_has_the_configured_timeout(tmp_path):
     """4 gloo processes: the mesh's dp and tp groups (two ranks each, not the world) and its
     one-rank pp groups carry the world's timeout (comm.timeout_s), not new_group's 30-minute
-    default, which init_device_mesh would give them. Consecutive ranks share a tp group."""
+    default, which init_device_mesh would give them. Consecutive ranks share a tp group. A rank
+    that joins later than comm.timeout_s still joins (the join waits JOIN_TIMEOUT_FLOOR_S)."""
     import torch.multiprocessing as mp
 
     from orchestrator.launch import free_port
@@ -174,7 +182,8 @@ def test_every_group_of_a_dp2tp2_mesh_has_the_configured_timeout(tmp_path):
     mp.spawn(_mesh_timeouts, args=(4, free_port(), str(tmp_path)), nprocs=4)
     for rank in range(4):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["seconds"] == {"world": 37.0, "dp": 37.0, "pp": 37.0, "tp": 37.0, "all": [37.0]}, (rank, got)
+        t = float(MESH_TIMEOUT_S)
+        assert got["seconds"] == {"world": t, "dp": t, "pp": t, "tp": t, "all": [t]}, (rank, got)
         assert got["sizes"] == {"dp": 2, "pp": 1, "tp": 2}
         assert got["coord"] == [rank // 2, 0, rank % 2]
 

@@ -121,6 +121,23 @@ def collective_timeout_s(timeout_s: float, backend: str, exec_timeout_s: float |
     return float(timeout_s)
 
 
+# How long ranks may take to join the process group, at least: on a loaded node or a Ray cluster
+# the ranks start seconds apart (imports, placement), and a short collective timeout
+# (comm.timeout_s) applied to the join would fail a healthy trial before its first step.
+JOIN_TIMEOUT_FLOOR_S = 300.0
+
+
+def join_timeout_s(collective_s: float, backend: str) -> float:
+    """The process group's timeout while its ranks connect: on gloo and nccl the collective
+    timeout, at least :data:`JOIN_TIMEOUT_FLOOR_S`; the collective timeout is set once every rank
+    has joined (as torchtitan separates its init and train timeouts; torch's ``_set_pg_timeout``
+    knows gloo and nccl only). HCCL connects within its own ``HCCL_CONNECT_TIMEOUT`` (at least
+    120 s, see ``orchestrator/chips.py``): its group keeps the collective timeout throughout."""
+    if backend not in ("gloo", "nccl"):
+        return float(collective_s)
+    return max(float(collective_s), JOIN_TIMEOUT_FLOOR_S)
+
+
 def determinism_env(device_type: str) -> Dict[str, str]:
     """What a device's libraries need, beside ``torch.use_deterministic_algorithms``, to be
     deterministic; set before the first kernel and the first communicator. cuBLAS: a fixed

@@ -112,6 +112,13 @@ def init_process_group(
     exported = os.environ.get("HCCL_EXEC_TIMEOUT", "").strip()
     seconds = rules.collective_timeout_s(rt.timeout_s, rt.backend, float(exported) if exported.isdigit() else None)
     timeout = _dt.timedelta(seconds=seconds)
+    join = _dt.timedelta(seconds=rules.join_timeout_s(seconds, rt.backend))
+    _join(rt, device, store, join)
+    if join != timeout:  # every rank has joined: a collective now waits comm.timeout_s at most
+        dist.distributed_c10d._set_pg_timeout(timeout)
+
+
+def _join(rt: RuntimeConfig, device: Optional[torch.device], store: Optional[dist.Store], timeout) -> None:
     bound = {"device_id": device} if device is not None and device.type != "cpu" else {}
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if store is None and attempt is None:
