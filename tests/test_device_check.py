@@ -21,14 +21,8 @@ def _load(name: str):
     return mod
 
 
-DRY_CASES = {
-    "gpt_tiny bf16",
-    "gpt_tiny fp16",
-    "gpt_tiny bf16 x2",
-    "gpt_tiny fp16 x2",
-    "llama_tiny bf16",
-    "llama_tiny fp16",
-}
+# both models, both dtypes and both world sizes, in three rows
+DRY_CASES = {"gpt_tiny bf16", "llama_tiny fp16", "gpt_tiny bf16 x2"}
 
 
 @pytest.mark.slow
@@ -55,7 +49,7 @@ def test_device_check_dry_mode_runs_every_row_and_fills_every_column(tmp_path):
         assert row["plain_status"] == "finished" and row["plain_step_s"] > 0
         assert row["trainer_over_plain"] == pytest.approx(row["plain_step_s"] / row["step_s"])
         assert row["mfu"] / row["plain_mfu"] == pytest.approx(row["trainer_over_plain"])
-    for case in DRY_CASES - {"gpt_tiny bf16 x2", "gpt_tiny fp16 x2"}:
+    for case in DRY_CASES - {"gpt_tiny bf16 x2"}:
         assert rows[case]["comm_share"] == 0  # one process talks to none
     assert rows["gpt_tiny bf16 x2"]["comm_share"] > 0
     # the x2 rows share their model's one plain loop (one process does the whole global batch)

@@ -86,26 +86,17 @@ def test_a_sweep_queues_on_a_local_cluster_and_nests_its_runs(tmp_path):
     assert got == pytest.approx(want, rel=1e-6), (got, want)
 
 
-def test_warm_groups_of_another_shape_give_way_and_can_be_turned_off(tmp_path):
+def test_warm_groups_of_another_shape_give_way(tmp_path):
     """A cluster of 2 CPUs, a 1-rank and a 2-rank trial: whichever runs first leaves its group
     idle, holding CPUs the other waits for; the idle group is evicted and both finish (without
-    that, the second trial would wait forever). With reuse off, each trial is a Ray Train group."""
+    that, the second trial would wait forever)."""
     common = [*(a for a in COMMON if not a.startswith("parallel=")), "parallel=single,dp2", "launch.ray.num_cpus=2"]
-    for reuse in ("true", "false"):
-        uri = "sqlite:///" + str(tmp_path / f"reuse_{reuse}.db")
-        proc = run_cli(
-            ["-m", "hydra/launcher=ray", *common, f"launch.ray.reuse_workers={reuse}", f"tracking.uri={uri}"],
-            cwd=tmp_path,
-            timeout=600,
-        )
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        _, children = _sweep(search_runs(uri))
-        assert sorted(c.data.tags["trial.status"] for c in children) == ["finished", "finished"]
-        groups = [c.data.tags.get("trial.worker_group") for c in children]
-        if reuse == "true":
-            assert all(g and g.endswith("(trial 1)") for g in groups) and len(set(groups)) == 2, groups
-        else:
-            assert groups == [None, None]
+    proc = run_cli(["-m", "hydra/launcher=ray", *common], cwd=tmp_path, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, children = _sweep(search_runs("sqlite:///" + str(tmp_path / "mlruns.db")))
+    assert sorted(c.data.tags["trial.status"] for c in children) == ["finished", "finished"]
+    groups = [c.data.tags.get("trial.worker_group") for c in children]
+    assert all(g and g.endswith("(trial 1)") for g in groups) and len(set(groups)) == 2, groups
 
 
 @pytest.fixture(scope="module")
@@ -194,6 +185,22 @@ def test_a_crashing_trial_fails_alone_and_the_sweep_goes_on(tmp_path, ray_head):
     assert finished.info.status == "FINISHED" and finished.data.tags["trial.status"] == "finished"
     assert [m.step for m in metric_history(uri, finished.info.run_id, "loss")] == list(range(STEPS))
     assert parent.data.metrics["trials_done"] == 1 and parent.data.metrics["trials_failed"] == 1
+
+
+def test_warm_groups_can_be_turned_off(tmp_path, ray_head):
+    """launch.ray.reuse_workers=false: a sweep's trial runs in a Ray Train group of its own,
+    not in the multirun's pool of warm groups (whose runs carry trial.worker_group)."""
+    proc = run_cli(
+        ["-m", "hydra/launcher=ray", *COMMON, "launch.ray.reuse_workers=false"],
+        cwd=tmp_path,
+        timeout=600,
+        RAY_ADDRESS=ray_head["address"],
+        RAY_AUTH_MODE="token",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _, (child,) = _sweep(search_runs("sqlite:///" + str(tmp_path / "mlruns.db")))
+    assert child.data.tags["trial.status"] == "finished"
+    assert "trial.worker_group" not in child.data.tags and "trial.nodes" in child.data.tags, child.data.tags
 
 
 def test_ray_job_submit_runs_a_trial_on_the_cluster(tmp_path, ray_head):
