@@ -123,3 +123,16 @@ def test_the_global_norm_of_16_bit_gradients_does_not_overflow_in_their_dtype(dt
     assert float(global_grad_norm([p, q], None)) == pytest.approx(want, rel=1e-6)
     p.grad[3] = float("inf")
     assert not torch.isfinite(global_grad_norm([p, q], None))
+
+
+def test_min_lr_ratio_is_where_the_cosine_ends():
+    """``trainer.min_lr_ratio``: warm-up to ``lr``, then the cosine reaches ``lr * min_lr_ratio``
+    at the last step, halfway between the two at the middle of the decay."""
+    from trainers.optim import lr_at
+
+    a = TrainerConfig(lr=1e-3, lr_warmup_steps=10, steps=110, min_lr_ratio=0.2)
+    assert lr_at(0, a) == pytest.approx(1e-4) and lr_at(9, a) == pytest.approx(1e-3)
+    assert lr_at(60, a) == pytest.approx(0.6e-3)
+    assert lr_at(110, a) == pytest.approx(0.2e-3)
+    b = TrainerConfig(lr=1e-3, lr_warmup_steps=10, steps=110, min_lr_ratio=0.0)
+    assert lr_at(110, b) == pytest.approx(0.0, abs=1e-12)

@@ -129,3 +129,16 @@ def test_the_tracker_names_the_first_non_finite_block_of_any_micro_batch():
     tracker.reset()
     micro_batch()
     assert tracker.first_layer() is None
+
+
+def test_growth_factor_and_backoff_factor_set_how_far_the_scale_moves():
+    """``precision.growth_factor`` and ``backoff_factor`` as a config gives them: x3 after each clean
+    interval, x0.25 on an overflow (the defaults, 2 and 0.5, would give 16 and 4)."""
+    args = PrecisionConfig(
+        loss_scale="dynamic", init_scale=8.0, growth_interval=1, growth_factor=3.0, backoff_factor=0.25
+    )
+    s = LossScaler(args, CPU)
+    s.update(NO)
+    assert float(s.scale) == 24.0
+    s.update(YES)
+    assert float(s.scale) == 6.0
