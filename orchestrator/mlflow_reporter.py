@@ -189,10 +189,11 @@ class MlflowReporter:
                 self._cond.wait(deadline - time.monotonic())
             drained, left = not self._ops, len(self._ops)
             self._closing = True
+            if not drained:  # under the lock: from here the thread marks nothing delivered (see _done)
+                self._abandon.set()
             self._cond.notify_all()
             thread, self._thread = self._thread, None
         if not drained:
-            self._abandon.set()
             log.warning(
                 "run %s: %d record(s) not delivered to %s within %.0f s; kept in %s",
                 self.run_id,
@@ -280,10 +281,22 @@ class MlflowReporter:
         return out
 
     def _done(self, batch: List[Dict[str, Any]]) -> None:
+        """``batch`` delivered: off the queue, marked done in the journal, staged copies deleted.
+        Not once ``close`` has given up on the queue: the journal then belongs to whoever takes it
+        over next (a restarted group, the driver), which renumbers its records; a late mark of
+        this reporter's numbers would drop another record, a deleted copy lose an artifact. At
+        worst the batch is delivered twice (rows are kept once per step; tags are overwritten)."""
         with self._cond:
+            if self._abandon.is_set():
+                return
             for _ in batch:
                 self._ops.popleft()
             self._journal_write({"done": [op["seq"] for op in batch]})
+            for op in batch:
+                if op.get("staged"):
+                    with contextlib.suppress(OSError):  # the copy, then its own folder, now empty
+                        os.unlink(op["path"])
+                        os.rmdir(os.path.dirname(op["path"]))
             self._cond.notify_all()
 
     def _read_logged_up_to(self, c: Any) -> None:
@@ -323,10 +336,6 @@ class MlflowReporter:
                 log.warning("run %s: artifact %s is gone; not logged", self.run_id, op["path"])
                 return
             c.log_artifact(self.run_id, op["path"], op["folder"] or None)
-            if op.get("staged"):
-                os.unlink(op["path"])
-                with contextlib.suppress(OSError):  # its own folder, now empty
-                    os.rmdir(os.path.dirname(op["path"]))
 
     def _deliver_rows(self, c: Any, rows: List[Dict[str, Any]]) -> None:
         """Rows in step order, each step once: none at or below the highest step of ``loss`` in the

@@ -137,6 +137,12 @@ def test_rank0_on_a_node_without_the_store_and_a_lost_node_resumes(cluster, star
             # the kill, so its artifacts are logged by the first attempt whatever the kill's timing
             "trainer.profile_start=1",
             "trainer.profile_steps=2",
+            # rank 0 stops at step 8 on the first attempt (the hang drill): the kill lands mid-trial
+            # however late rank 0's node tag reaches the store through a relay slowed by a loaded
+            # machine (a trial of 40 steps can end before it does)
+            "trainer.fault.kill_rank=0",
+            "trainer.fault.at_step=8",
+            "trainer.fault.inject=hang",
             *_restartable(ckpt),
         ],
         driver,

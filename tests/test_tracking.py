@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pickle
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -195,6 +196,40 @@ def test_records_wait_in_the_journal_while_the_store_is_away(mlflow_uri, tmp_pat
     run = MlflowClient(mlflow_uri).get_run(run_id)
     assert run.data.tags["checkpoint.step"] == "4" and run.data.metrics["final_loss"] == 4.2
     assert not journal.exists()
+
+
+def test_a_reporter_that_gave_up_leaves_the_journal_to_the_one_that_takes_it_over(mlflow_uri, tmp_path, monkeypatch):
+    """A reporter's finish gives up while a delivery hangs (the Ray relay under load); the journal
+    is taken over (the driver, renumbering what is left) before that delivery returns. The late
+    delivery must not mark anything done in the journal it no longer owns: every record left is
+    still there for the next reader, and ends in the store."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    run_id = _run(mlflow_uri)
+    journal = tmp_path / "j.jsonl"
+    slow = mlflow_reporter.MlflowReporter(mlflow_uri, run_id, 3, False, str(journal), finish_timeout_s=0.5)
+    gate = threading.Event()
+    client = slow._mlflow()
+    log_text = client.log_text
+    client.log_text = lambda *a, **k: (gate.wait(60), log_text(*a, **k))[1]  # a delivery that hangs
+    slow.log_steps(_rows(range(3), time.time()))
+    slow.log_table(1, "monitor", [{"layer": 0, "absmax": 1.0}])
+    thread = slow._thread
+    slow.finish({"final_loss": 4.2})  # gives up: the table's delivery still hangs
+    taker = mlflow_reporter.MlflowReporter(_dead_uri(), run_id, 3, False, str(journal), finish_timeout_s=0.5)
+    taker.open()  # takes over the table and the summary, numbered from 0
+    gate.set()
+    thread.join(30)
+    assert not thread.is_alive()
+    taker.close()
+    # the summary, never delivered, is still in the journal (the table may be: this store's artifacts
+    # are files the taker reaches without the server)
+    assert "metrics" in [op["op"] for op in mlflow_reporter.read_journal(str(journal))]
+    back = mlflow_reporter.MlflowReporter(mlflow_uri, run_id, 3, False, str(journal))  # the store is back
+    back.finish({})
+    assert not journal.exists()
+    run = MlflowClient(mlflow_uri).get_run(run_id)
+    assert run.data.metrics["final_loss"] == 4.2
+    assert [a.path for a in MlflowClient(mlflow_uri).list_artifacts(run_id, "monitor")] == ["monitor/step_000001.json"]
 
 
 # --- a store that cannot be used --------------------------------------------------------------------
