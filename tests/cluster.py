@@ -9,6 +9,7 @@ cluster whose nodes share no working directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from orchestrator.launch import free_port
 
@@ -107,12 +108,52 @@ class Cluster:
             proc = self.nodes.pop(name, None)
             if proc is None:
                 continue
-            proc.terminate()  # `ray start --block` stops its node's processes on SIGTERM
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        note = Path("/tmp/ray/ray_current_cluster")
-        if note.is_file() and note.read_text().strip().endswith(f":{self.port}"):
-            note.unlink()
+            _end(proc, timeout=60)
+        _forget(self.port)
+
+
+def _end(proc: subprocess.Popen, timeout: float) -> None:
+    """`ray start --block` stops its node's processes on SIGTERM; a SIGKILL to its process group
+    after ``timeout`` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _forget(port: int) -> None:
+    """`ray start` notes its cluster (host:port) for later `ray.init()` calls; `ray stop` would
+    remove the note, a SIGTERM does not."""
+    note = Path("/tmp/ray/ray_current_cluster")
+    if note.is_file() and note.read_text().strip().endswith(f":{port}"):
+        note.unlink()
+
+
+@contextlib.contextmanager
+def head_node(folder: Path, env: Dict[str, str], cpus: int, dashboard: bool) -> Iterator[Dict[str, str]]:
+    """`ray start --head --block` on 127.0.0.1 with ``cpus`` CPUs (and its dashboard, where a test
+    submits jobs), logging into ``folder``; yields its ``address`` (and ``dashboard`` URL). The
+    whole cluster stops by its process's SIGTERM on leaving."""
+    log = folder / "head.log"
+    port, dash = free_port(), free_port()
+    args = [RAY, "start", "--head", "--block", f"--num-cpus={cpus}", "--node-ip-address=127.0.0.1", f"--port={port}"]
+    args += [f"--include-dashboard={str(dashboard).lower()}", f"--ray-client-server-port={free_port()}"]
+    args.append(f"--dashboard-agent-listen-port={free_port()}")  # the node's agent runs either way
+    if dashboard:
+        args += ["--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"]
+    args.append("--disable-usage-stats")
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(folder), start_new_session=True
+        )
+    try:
+        deadline = time.time() + 180
+        while "Ray runtime started" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dash}"}
+    finally:
+        _end(proc, timeout=90)
+        _forget(port)

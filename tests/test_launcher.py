@@ -4,7 +4,8 @@ suites run on it (as Hydra runs them on its plugins), a foreign app (tests/forei
 launcher, and the ``ray`` alias never shadows Hydra's own Ray launcher.
 
 The in-process tests share one local cluster of 2 CPUs, started by the launcher in the first of
-them; each subprocess test starts its own (~10 s on two cores).
+them; Hydra's integration suite's apps join one `ray start --head` cluster; the other subprocess
+tests start their own (~10 s on two cores).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hydra.test_utils.launcher_common_tests import IntegrationTestSuite, Launche
 from omegaconf import OmegaConf
 
 from orchestrator import ray_sweep
+from tests.cluster import head_node
 from tests.conftest import ROOT, cli_env
 
 pytestmark = pytest.mark.ray
@@ -82,18 +84,32 @@ class TestRayTrialsLauncher(LauncherTestSuite):
                 "hydra/launcher=ray_trials",
                 "hydra/hydra_logging=hydra_debug",
                 "hydra/job_logging=disabled",
-                *CLUSTER,
             ],
         )
     ],
 )
 class TestRayTrialsLauncherIntegration(IntegrationTestSuite):
     """Hydra's integration suite: real apps in subprocesses (job names, sweep dirs, chdir,
-    original cwd). Hydra finds the plugin through PYTHONPATH, as in a source checkout."""
+    original cwd). Hydra finds the plugin through PYTHONPATH, as in a source checkout. The apps
+    join one `ray start --head` cluster (RAY_ADDRESS) rather than each starting its own."""
 
     @pytest.fixture(autouse=True)
-    def _plugin_on_path(self, monkeypatch):
+    def _plugin_on_path(self, monkeypatch, shared_head):
         monkeypatch.setenv("PYTHONPATH", cli_env()["PYTHONPATH"])
+        monkeypatch.setenv("RAY_ADDRESS", shared_head["address"])
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+
+
+@pytest.fixture(scope="module")
+def shared_head(tmp_path_factory):
+    """A 2-CPU head without a dashboard, for the integration suite's apps; it does not see this
+    checkout (no PYTHONPATH): the code travels to its workers."""
+    env = cli_env(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
+    env.pop("PYTHONPATH", None)
+    env.pop("RAY_ADDRESS", None)
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
+    with head_node(tmp_path_factory.mktemp("ray_head"), env, cpus=2, dashboard=False) as head:
+        yield head
 
 
 def _names(launcher: str) -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launch import free_port
+from tests.cluster import RAY, head_node
 from tests.conftest import ROOT, cli_env, metric_history, run_cli, search_runs
 
 pytestmark = pytest.mark.ray
@@ -32,7 +31,6 @@ COMMON = [
     "trainer.log_every=1",
     "data.num_workers=0",
 ]
-RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def _sweep(runs):
@@ -101,59 +99,14 @@ def test_warm_groups_of_another_shape_give_way(tmp_path):
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    """`ray start --head` on 127.0.0.1 with 4 CPUs and its dashboard, stopped by its pid at the end.
-    It does not see this checkout (no PYTHONPATH): the code must travel to its workers."""
-    log = tmp_path_factory.mktemp("ray_head") / "head.log"
-    port, dashboard = free_port(), free_port()
+    """`ray start --head` on 127.0.0.1 with 4 CPUs and its dashboard, stopped at the end. It does
+    not see this checkout (no PYTHONPATH): the code must travel to its workers."""
     env = cli_env(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     env.pop("PYTHONPATH", None)
     # a submitted job's `python` is this environment's, activated or not
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [
-                RAY,
-                "start",
-                "--head",
-                "--block",
-                "--num-cpus=4",
-                "--node-ip-address=127.0.0.1",
-                f"--port={port}",
-                "--include-dashboard=true",
-                "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={dashboard}",
-                f"--dashboard-agent-listen-port={free_port()}",
-                f"--ray-client-server-port={free_port()}",
-                "--disable-usage-stats",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(log.parent),
-            start_new_session=True,
-        )
-    try:
-        deadline = time.time() + 180
-        while "Ray runtime started" not in log.read_text():
-            assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-            time.sleep(1)
-        yield {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}"}
-    finally:
-        proc.terminate()  # `ray start --block` stops every process of the cluster on SIGTERM
-        try:
-            proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        _forget(port)
-
-
-def _forget(port: int) -> None:
-    """`ray start` notes its cluster (host:port) for later `ray.init()` calls; `ray stop` would
-    remove the note, a SIGTERM does not."""
-    note = Path("/tmp/ray/ray_current_cluster")
-    if note.is_file() and note.read_text().strip().endswith(f":{port}"):
-        note.unlink()
+    with head_node(tmp_path_factory.mktemp("ray_head"), env, cpus=4, dashboard=True) as head:
+        yield head
 
 
 def test_a_crashing_trial_fails_alone_and_the_sweep_goes_on(tmp_path, ray_head):
