@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,6 +58,7 @@ class Cluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.nodes: Dict[str, subprocess.Popen] = {}
+        self.temps: List[Path] = []  # the worker nodes' Ray temp folders
 
     def _start(self, name: str, args: List[str], hide: Sequence[Path] = ()) -> None:
         cmd = [RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats", *args]
@@ -89,9 +91,22 @@ class Cluster:
         return self
 
     def add(self, name: str, num_cpus: int, resources: Optional[Dict[str, float]] = None, hide=()) -> None:
+        """A worker node, with a Ray temp folder of its own (short: it holds the node's sockets).
+        Nodes of one machine would otherwise share ``/tmp/ray``, where each node's runtime-env
+        agent deletes and unpacks the job's working_dir anew (``overwrite=True``): a process
+        already started in it on another node (the trial's relay actor on the head) is left in a
+        deleted folder, where ``os.getcwd()`` fails. Machines of a real cluster share no such
+        folder."""
+        temp = Path(f"/tmp/rn{self.port}{name}")
+        self.temps.append(temp)
         self._start(
             name,
-            [f"--address={self.address}", f"--num-cpus={num_cpus}", f"--resources={json.dumps(resources or {})}"],
+            [
+                f"--address={self.address}",
+                f"--num-cpus={num_cpus}",
+                f"--resources={json.dumps(resources or {})}",
+                f"--temp-dir={temp}",
+            ],
             hide,
         )
 
@@ -110,6 +125,8 @@ class Cluster:
                 continue
             _end(proc, timeout=60)
         _forget(self.port)
+        for temp in self.temps:
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 def _end(proc: subprocess.Popen, timeout: float) -> None:
