@@ -5,18 +5,16 @@ delivers from the journal (:func:`deliver_journal`)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import shutil
 import sys
 import threading
 import time
 from collections import deque
-from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional
 
+from orchestrator.mlflow_journal import Journal, journal_head
 from orchestrator.mlflow_store import BACKOFF_S, client, first_line, transient
 
 log = logging.getLogger("orchestrator")
@@ -91,7 +89,7 @@ class MlflowReporter:
         self._thread: Optional[threading.Thread] = None
         self._closing = False
         self._abandon = threading.Event()
-        self._journal_file: Any = None
+        self._jrnl = Journal(self.journal, self.uri, self.run_id) if self.journal else None
         self._logged_up_to: Optional[int] = None  # highest step in the store; None: not read yet
         self._resync = True  # read it (again) before the next rows: first, and after a failure
         self.failures = 0  # failed delivery attempts in a row
@@ -205,12 +203,8 @@ class MlflowReporter:
         if thread is not None:
             thread.join(timeout=1.0 if not drained else None)
         with self._cond:
-            if self._journal_file is not None:
-                self._journal_file.close()
-                self._journal_file = None
-            if drained and self.journal:
-                Path(self.journal).unlink(missing_ok=True)
-                shutil.rmtree(self.journal + ".files", ignore_errors=True)
+            if self._jrnl is not None:
+                self._jrnl.close(delete=drained)
         return drained
 
     def _mlflow(self):
@@ -294,9 +288,7 @@ class MlflowReporter:
             self._journal_write({"done": [op["seq"] for op in batch]})
             for op in batch:
                 if op.get("staged"):
-                    with contextlib.suppress(OSError):  # the copy, then its own folder, now empty
-                        os.unlink(op["path"])
-                        os.rmdir(os.path.dirname(op["path"]))
+                    Journal.unstage(op["path"])
             self._cond.notify_all()
 
     def _read_logged_up_to(self, c: Any) -> None:
@@ -369,82 +361,53 @@ class MlflowReporter:
         if chunk:
             send()
 
-    # -- the journal
+    # -- the journal (orchestrator/mlflow_journal.py), under the lock
 
     def _journal_write(self, entry: Dict[str, Any]) -> None:
-        """Append one entry (under the lock): a record, or the sequence numbers delivered."""
-        if not self.journal:
+        """Append one entry: a record, or the sequence numbers delivered."""
+        if self._jrnl is None:
             return
         try:
-            if self._journal_file is None:
-                path = Path(self.journal)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                fresh = not path.exists() or path.stat().st_size == 0
-                self._journal_file = open(path, "a", encoding="utf-8")
-                if fresh:
-                    self._journal_file.write(json.dumps({"uri": self.uri, "run_id": self.run_id}) + "\n")
-            self._journal_file.write(json.dumps(entry) + "\n")
-            self._journal_file.flush()  # in the OS's hands: a killed process loses nothing
+            self._jrnl.write(entry)
         except OSError as err:
-            log.warning("run %s: journal %s unusable (%s); records kept in memory only", self.run_id, self.journal, err)
-            self.journal, self._journal_file = None, None
+            self._lose_journal(err)
+
+    def _lose_journal(self, err: OSError) -> None:
+        log.warning("run %s: journal %s unusable (%s); records kept in memory only", self.run_id, self.journal, err)
+        self.journal, self._jrnl = None, None
 
     def _take_over_journal(self) -> None:
-        """Queue what the journal holds undelivered (an earlier process of this trial died or gave
-        up), and rewrite it with just that, numbered from 0 (under the lock)."""
-        pending = read_journal(self.journal) if self.journal else []
-        if not pending:
+        """Queue first what the journal holds undelivered (an earlier process of this trial died
+        or gave up), numbered from this reporter's next sequence number."""
+        if self._jrnl is None:
             return
-        log.info("run %s: %d undelivered record(s) taken over from %s", self.run_id, len(pending), self.journal)
-        path = Path(self.journal)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"uri": self.uri, "run_id": self.run_id}) + "\n")
-            for op in pending:
-                op["seq"] = self._seq
-                self._seq += 1
-                f.write(json.dumps(op) + "\n")
-        os.replace(tmp, path)
-        self._ops.extendleft(reversed(pending))
+        try:
+            pending = self._jrnl.take_over(self._seq)
+        except OSError as err:
+            self._lose_journal(err)
+            return
+        if pending:
+            log.info("run %s: %d undelivered record(s) taken over from %s", self.run_id, len(pending), self.journal)
+            self._seq += len(pending)
+            self._ops.extendleft(reversed(pending))
 
     def _stage(self, path: str) -> str:
-        """A copy of ``path`` beside the journal, kept until it is delivered: in a folder of its
-        own, under its own name (the name MLflow gives the artifact)."""
-        if not self.journal:
+        """A copy of ``path`` beside the journal until it is delivered (the caller may delete
+        ``path``); without a journal, ``path`` itself."""
+        if self._jrnl is None:
             return path
-        folder = Path(self.journal + ".files") / f"{self._seq:06d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        staged = folder / Path(path).name
-        shutil.copyfile(path, staged)
-        return str(staged)
-
-
-def read_journal(path: str) -> List[Dict[str, Any]]:
-    """The records of a reporter's journal not yet delivered, in order ([] when there is none)."""
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return []
-    ops: Dict[int, Dict[str, Any]] = {}
-    for line in lines[1:]:
         try:
-            entry = json.loads(line)
-        except ValueError:  # a line cut short by a crash
-            continue
-        if "done" in entry:
-            for seq in entry["done"]:
-                ops.pop(seq, None)
-        elif "op" in entry:
-            ops[entry["seq"]] = entry
-    return [ops[k] for k in sorted(ops)]
+            return self._jrnl.stage(path, self._seq)
+        except OSError as err:
+            self._lose_journal(err)
+            return path
 
 
 def deliver_journal(path: str, timeout_s: float = LEFTOVER_TIMEOUT_S) -> bool:
     """Deliver what a reporter's journal holds undelivered (its store and run are in its first
     line), waiting up to ``timeout_s``; True when nothing is left (the journal is then deleted)."""
-    try:
-        head = json.loads(Path(path).read_text(encoding="utf-8").splitlines()[0])
-    except (FileNotFoundError, IndexError, ValueError):
+    head = journal_head(path)
+    if head is None:
         return True
     reporter = MlflowReporter(head["uri"], head["run_id"], 0, progress=False, journal=path)
     reporter.open()

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrator import mlflow_reporter, mlflow_store, report_render, tracking
+from orchestrator import mlflow_journal, mlflow_reporter, mlflow_store, report_render, tracking
 from orchestrator.launch import free_port
 from tests.conftest import ROOT, TableRunner, cli_env, metric_history
 from tests.test_tracking import SMOKE
@@ -114,7 +114,7 @@ def _wait(what: str, cond, proc: subprocess.Popen | None = None, bound_s: float 
 
 
 def _journal_steps(path: Path) -> list:
-    return [r["step"] for op in mlflow_reporter.read_journal(str(path)) if op["op"] == "rows" for r in op["rows"]]
+    return [r["step"] for op in mlflow_journal.read_journal(str(path)) if op["op"] == "rows" for r in op["rows"]]
 
 
 def test_a_trial_outlives_its_tracking_server_and_loses_no_step(running, tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from orchestrator import mlflow_reporter, mlflow_store, mlflow_ui, report_render, tracking, trial
+from orchestrator import mlflow_journal, mlflow_reporter, mlflow_store, mlflow_ui, report_render, tracking, trial
 from orchestrator.launch import free_port
 from tests.conftest import ROOT, TableRunner, cli_in_process, metric_history, search_runs
 
@@ -147,7 +147,7 @@ def test_a_queued_artifact_keeps_its_name(mlflow_uri, tmp_path, monkeypatch):
     away.log_artifact(str(trace), "profile")
     trace.unlink()  # the caller may delete it once handed over (the Ray relay does)
     away.finish({})
-    assert [op["op"] for op in mlflow_reporter.read_journal(str(journal))] == ["rows", "artifact", "metrics"]
+    assert [op["op"] for op in mlflow_journal.read_journal(str(journal))] == ["rows", "artifact", "metrics"]
     back = mlflow_reporter.MlflowReporter(mlflow_uri, run_id, 3, False, str(journal))
     back.finish({})
     files = {a.path for a in MlflowClient(mlflow_uri).list_artifacts(run_id, "profile")}
@@ -183,7 +183,7 @@ def test_records_wait_in_the_journal_while_the_store_is_away(mlflow_uri, tmp_pat
     away.log_steps(_rows(range(4, 8), time.time() - 40))
     away.finish({"final_loss": 4.2})  # waits 1 s, then gives up and says where the records are
     assert away.failed_attempts >= 1 and away.rows_delivered == 0
-    kept = mlflow_reporter.read_journal(str(journal))
+    kept = mlflow_journal.read_journal(str(journal))
     assert [op["op"] for op in kept] == ["rows", "tags", "rows", "metrics"]
     assert [r["step"] for op in kept if op["op"] == "rows" for r in op["rows"]] == list(range(8))
 
@@ -223,7 +223,7 @@ def test_a_reporter_that_gave_up_leaves_the_journal_to_the_one_that_takes_it_ove
     taker.close()
     # the summary, never delivered, is still in the journal (the table may be: this store's artifacts
     # are files the taker reaches without the server)
-    assert "metrics" in [op["op"] for op in mlflow_reporter.read_journal(str(journal))]
+    assert "metrics" in [op["op"] for op in mlflow_journal.read_journal(str(journal))]
     back = mlflow_reporter.MlflowReporter(mlflow_uri, run_id, 3, False, str(journal))  # the store is back
     back.finish({})
     assert not journal.exists()
