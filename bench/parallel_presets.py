@@ -22,7 +22,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from orchestrator import conf_dir, trial  # noqa: E402
 from orchestrator.config import register_configs  # noqa: E402
-from orchestrator.validate import layout  # noqa: E402
+from orchestrator.layout import layout  # noqa: E402
 
 PRESETS = ["single", "dp2", "dp4", "dp8", "tp2", "tp4", "pp2", "pp4", "tp2pp2", "dp2tp2", "dp2pp2", "dp2tp2pp2"]
 

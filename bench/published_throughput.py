@@ -37,7 +37,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from orchestrator import chips, conf_dir  # noqa: E402
 from orchestrator.config import Config  # noqa: E402
 from orchestrator.planner import ModelShape, ParallelShape, step_time  # noqa: E402
-from orchestrator.validate import Layout  # noqa: E402
+from trainers.rules import Layout  # noqa: E402
 
 VOCAB, SEQ = 51200, 2048
 # (billions of parameters, heads, hidden, layers, t, p, GPUs, global batch, TFLOP/s per GPU):

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.validate import Layout, layout
+from orchestrator.layout import Layout, layout
 from trainers import rules
 
 # sections whose keys decide what a trial computes (tracking and the planner's assumptions do not)

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator import cli, planner
 from orchestrator.planner import search
+from trainers.rules import Layout
 
 EXIT_CONFIG = cli.EXIT_BAD_INPUT
 
@@ -88,7 +89,7 @@ def table(plans: List[planner.LayoutPlan]) -> str:
         sched = s.schedule if s.pp > 1 else "-"
         if s.schedule == "interleaved_1f1b" and s.pp > 1:
             sched += f"(v={s.virtual_stages})"
-        name = f"dp{s.dp}tp{s.tp}pp{s.pp}" + ("+sp" if s.sequence_parallel else "") + ("+fsdp" if s.fsdp else "")
+        name = Layout(s.dp, s.tp, s.pp).name + ("+sp" if s.sequence_parallel else "") + ("+fsdp" if s.fsdp else "")
         mem = "".join(f"{_gb(g[k]):>8}" for k in ("params", "grads", "optimizer", "activations", "buffers", "total"))
         rows.append(
             f"{name:<14}{s.microbatches:>5} {sched:<17}{mem}"

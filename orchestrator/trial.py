@@ -37,8 +37,9 @@ from orchestrator import (
 )
 from orchestrator.filled import fill
 from orchestrator.launch import TrialFailed, launch_local, start_workers_early, trial_nodes
+from orchestrator.layout import Layout, layout
 from orchestrator.ray_trial import BoardSlot, Placement
-from orchestrator.validate import Layout, cluster_errors, layout, validate
+from orchestrator.validate import cluster_errors, validate
 from trainers.config import TrialSpec
 
 log = logging.getLogger("orchestrator")

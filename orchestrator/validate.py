@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -17,6 +16,7 @@ from omegaconf import DictConfig
 
 from orchestrator import chips
 from orchestrator.launch import trial_nodes
+from orchestrator.layout import Layout, layout, world_size
 from orchestrator.validate_inputs import data_rules, weights_rules
 from trainers import rules
 
@@ -80,35 +80,6 @@ NON_NEGATIVE = (
     "precision.monitor",
     "trainer.fault.straggle_s",
 )
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int
-    tp: int
-    pp: int
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    @property
-    def name(self) -> str:
-        """``dp2tp2pp1``: how runs, reports and the planner name a layout."""
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}"
-
-
-def layout(cfg: DictConfig) -> Layout:
-    """dp x tp x pp, with ``parallel.dp=-1`` filled from ``launch.world_size`` (or, when that is
-    -1 too, from every device of the chip on ``launch.nnodes`` nodes)."""
-    p = cfg.parallel
-    tp, pp = max(1, int(p.tp)), max(1, int(p.pp))
-    if int(p.dp) > 0:
-        return Layout(int(p.dp), tp, pp)
-    world = int(cfg.launch.world_size)
-    if world <= 0:
-        world = int(cfg.chip.devices_per_node) * int(cfg.launch.nnodes)
-    return Layout(max(1, world // (tp * pp)), tp, pp)
 
 
 def _get(cfg: DictConfig, key: str):
@@ -272,7 +243,7 @@ def _model_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
 
 def _layout_rules(cfg: DictConfig, err: Callable[[str], None]) -> Optional[Layout]:
     """The parallel layout's rules; its Layout, or None when dp is broken (nothing else can be said)."""
-    m, p, t, c, chip = cfg.model, cfg.parallel, cfg.trainer, cfg.comm, cfg.chip
+    m, p, t, c = cfg.model, cfg.parallel, cfg.trainer, cfg.comm
     kv = _kv_heads(m)
     if int(p.dp) == 0 or int(p.dp) < -1:
         err(f"parallel.dp={p.dp}: must be positive, or -1 to fill from launch.world_size")
@@ -280,7 +251,7 @@ def _layout_rules(cfg: DictConfig, err: Callable[[str], None]) -> Optional[Layou
     lay = layout(cfg)
     world = int(cfg.launch.world_size)
     if int(p.dp) == -1:
-        fill = world if world > 0 else int(chip.devices_per_node) * int(cfg.launch.nnodes)
+        fill = world_size(cfg)
         if fill % (lay.tp * lay.pp):
             err(f"parallel.dp=-1: world size {fill} is not divisible by parallel.tp*parallel.pp={lay.tp * lay.pp}")
     elif world > 0 and lay.world_size != world:

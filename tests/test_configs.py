@@ -10,8 +10,8 @@ from omegaconf import OmegaConf
 
 from orchestrator import chips, conf_dir
 from orchestrator.config import GROUPS
+from orchestrator.layout import layout
 from orchestrator.trial import prepare
-from orchestrator.validate import layout
 
 PRESETS = [(g, p.stem) for g in GROUPS for p in sorted((conf_dir() / g).glob("*.yaml"))]
 

@@ -33,9 +33,9 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import trial
+from orchestrator.layout import layout
 from orchestrator.planner.activations import ActBytes, rank_activation_bytes
 from orchestrator.planner.shapes import ModelShape, ParallelShape, rank_contents
-from orchestrator.validate import layout
 from tests.conftest import composed, on_ranks
 
 BASE = [

@@ -27,7 +27,8 @@ from typing import Dict, List
 import pytest
 
 from orchestrator import chips, planner, trial
-from orchestrator.validate import layout, validate
+from orchestrator.layout import layout
+from orchestrator.validate import validate
 from trainers.loop import train
 
 BASE = [

@@ -21,9 +21,9 @@ import torch
 from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import trial
+from orchestrator.layout import layout
 from orchestrator.planner.memory import memory_plan
 from orchestrator.planner.shapes import ModelShape, ParallelShape
-from orchestrator.validate import layout
 from tests.conftest import composed, on_ranks
 
 BASE = [

@@ -104,3 +104,25 @@ def test_one_line_per_rule_and_no_traceback(tmp_path):
 
 def test_a_valid_config_passes(compose_cfg):
     assert prepare(compose_cfg(["+chip=cpu", "parallel=dp2"])).chip.name == "cpu"
+
+
+@pytest.mark.parametrize(
+    "overrides,name",
+    [
+        (["parallel.dp=-1", "parallel.tp=2", "launch.world_size=8"], "dp4tp2pp1"),  # filled from the world
+        (["parallel.dp=-1", "parallel.pp=2", "chip.devices_per_node=4", "launch.nnodes=2"], "dp4tp1pp2"),  # every device
+        (["parallel.dp=3", "launch.world_size=3"], "dp3tp1pp1"),  # given
+    ],
+)
+def test_the_layout_fills_dp_from_the_world(compose_cfg, overrides, name):
+    from orchestrator.layout import layout
+
+    lay = layout(compose_cfg(["+chip=cpu", *overrides]))
+    assert lay.name == name and lay.world_size == lay.dp * lay.tp * lay.pp
+
+
+def test_a_layout_has_no_empty_dimension():
+    from trainers.rules import Layout
+
+    with pytest.raises(ValueError, match="dp=0"):
+        Layout(0, 2, 1)

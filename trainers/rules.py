@@ -12,6 +12,34 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 
+@dataclass(frozen=True)
+class Layout:
+    """The process mesh, dp x tp x pp."""
+
+    dp: int
+    tp: int
+    pp: int
+
+    def __post_init__(self) -> None:
+        if min(self.dp, self.tp, self.pp) < 1:
+            raise ValueError(f"a layout's sizes are at least 1, got dp={self.dp} tp={self.tp} pp={self.pp}")
+
+    @classmethod
+    def filled(cls, dp: int, tp: int, pp: int, world_size: int) -> "Layout":
+        """``dp <= 0`` filled from ``world_size``: the replicas that fit beside tp x pp (at least 1)."""
+        tp, pp = max(1, tp), max(1, pp)
+        return cls(dp if dp > 0 else max(1, world_size // (tp * pp)), tp, pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def name(self) -> str:
+        """``dp2tp2pp1``: how runs, reports and the planner name a layout."""
+        return f"dp{self.dp}tp{self.tp}pp{self.pp}"
+
+
 def dp_wrapping(dp: int, tp: int, dp_shard: str) -> str:
     """``none`` (one replica), ``ddp`` or ``fsdp``. With tensor parallelism the replicas are
     always FSDP2 over the TP shards (DDP does not take DTensor parameters); otherwise

@@ -21,11 +21,11 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from omegaconf import DictConfig
 
+from orchestrator.layout import layout
 from orchestrator.planner.measured import MeasuredTrial
 from orchestrator.planner.rank_stats import kendall_tau, spearman_rho
 from orchestrator.planner.shapes import ModelShape, ParallelShape
 from orchestrator.planner.step_time import HostCosts, StepParts, combine, step_parts
-from orchestrator.validate import layout
 
 
 @dataclass
@@ -248,14 +248,7 @@ def calibrate(
     h = (host0.layer_s, host0.stage_s, host0.hop_s, host0.tp_layer_s)
     best = _grid_fit(col, y, h, (ec0, en0, lat0), fit_comm)
     fitted = ["compute_efficiency"] + (["comm_efficiency", "collective_latency_us"] if fit_comm else [])
-    shares = _host_shares(parts, *best, host0)
-    if not fit_comm:  # no collective at all: the hop term has nothing to act on
-        shares["collective_hop_us"] = 0.0
-    floor = 0.0 if fit_host == "all" else HOST_SHARE
-    # the terms that weigh most first, as many as the trials leave room for
-    candidates = [k for k in HOST_FACTORS if fit_host and host0_us[k] > 0 and shares[k] > 0 and shares[k] >= floor]
-    room = len(HOST_FACTORS) if fit_host == "all" else max(0, len(trials) - 1 - len(fitted))
-    host_fit = sorted(candidates, key=lambda k: -shares[k])[:room]
+    host_fit = _host_terms(_host_shares(parts, *best, host0), host0_us, fit_comm, fit_host, len(trials) - len(fitted))
     value = dict(zip(FACTORS, (*best, *h)))
     if fit_comm or host_fit:
         configured = {"compute_efficiency": ec0, "comm_efficiency": en0, "collective_latency_us": lat0}
@@ -279,6 +272,22 @@ def calibrate(
     )
     cal.heldout = evaluate(cal, held_out) if held_out else None
     return cal
+
+
+def _host_terms(
+    shares: Dict[str, float], host0_us: Dict[str, float], fit_comm: bool, fit_host: Union[bool, str], room: int
+) -> List[str]:
+    """The host terms :func:`calibrate` fits: those configured non-zero that make at least
+    ``HOST_SHARE`` of some trial's time (any share with ``fit_host="all"``), the heaviest first,
+    as many as ``room`` (trials less factors already fitted) leaves beside one degree of freedom."""
+    if not fit_host:
+        return []
+    if not fit_comm:  # no collective at all: the hop term has nothing to act on
+        shares = {**shares, "collective_hop_us": 0.0}
+    floor = 0.0 if fit_host == "all" else HOST_SHARE
+    candidates = [k for k in HOST_FACTORS if host0_us[k] > 0 and shares[k] > 0 and shares[k] >= floor]
+    keep = len(HOST_FACTORS) if fit_host == "all" else max(0, room - 1)
+    return sorted(candidates, key=lambda k: -shares[k])[:keep]
 
 
 def _array_model(c, ec, en, lat, layer, stage, hop, tp_layer):

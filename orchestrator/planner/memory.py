@@ -145,8 +145,8 @@ def communicator_bytes(backend: str, comm: DictConfig, planner: DictConfig) -> f
     if backend == "hccl":
         return 2 * float(comm.buffsize_mb) * MiB
     if backend == "nccl":
-        simple = float(comm.get("nccl_buffsize_mb", 4.0)) * MiB
-        return int(planner.get("nccl_channels", 16)) * 2 * (simple + NCCL_LL128_BYTES + NCCL_LL_BYTES)
+        simple = float(comm.nccl_buffsize_mb) * MiB
+        return int(planner.nccl_channels) * 2 * (simple + NCCL_LL128_BYTES + NCCL_LL_BYTES)
     return 0.0
 
 

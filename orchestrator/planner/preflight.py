@@ -10,11 +10,12 @@ from typing import Any, Dict, List
 
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator.layout import layout
 from orchestrator.planner.memory import MemoryPlan, memory_plan, model_state_bytes
 from orchestrator.planner.ops import op_coverage
 from orchestrator.planner.shapes import GiB, ModelShape, ParallelShape
 from orchestrator.planner.step_time import StepEstimate, step_time
-from orchestrator.validate import layout, validate
+from orchestrator.validate import validate
 
 NOT_YET = "not yet supported"  # trainer-capability lines of validate(): a plan may go beyond them
 

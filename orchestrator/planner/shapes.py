@@ -24,8 +24,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig
 
-from orchestrator.validate import Layout
 from trainers import rules
+from trainers.rules import Layout
 
 GiB = 2**30
 MiB = 2**20

@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator.layout import Layout
 from orchestrator.planner.activations import (
     ActBytes,
 )
@@ -48,7 +49,7 @@ from orchestrator.planner.memory import (
 from orchestrator.planner.preflight import NOT_YET
 from orchestrator.planner.shapes import GiB, ModelShape, ParallelShape, rank_contents, rank_params
 from orchestrator.planner.step_time import HostCosts, StepEstimate, combine, step_parts
-from orchestrator.validate import SCHEDULES, Layout, validate
+from orchestrator.validate import SCHEDULES, validate
 from trainers import rules
 
 # ---------------------------------------------------------------------------------------------
@@ -72,7 +73,7 @@ class Candidate:
 
     @property
     def layout(self) -> str:
-        return f"dp{self.dp}tp{self.tp}pp{self.pp}"
+        return Layout(self.dp, self.tp, self.pp).name
 
     @property
     def name(self) -> str:

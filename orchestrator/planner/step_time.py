@@ -68,7 +68,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 from omegaconf import DictConfig
 
@@ -255,25 +255,14 @@ def step_parts(
     the same."""
     contents = contents or (lambda rank: rank_contents(m, s, rank))
     params = params or (lambda rc, rank: rank_params(m, s, rc))
-    act_b = BYTES[precision.compute_dtype]
-    peak = float(chip.peak_tflops.get(precision.compute_dtype, chip.peak_tflops.get("fp32", 0.0))) * 1e12
-    # a CPU "device" is a worker process: they all share the host, whose peak the cpu preset gives
-    peak_all = max(peak, 1e-9) * (1 if chip.device_type == "cpu" else s.world)
+    peak_all = _peak_flops(precision, chip, s)
     flops = model_flops(m, s)
     hw = flops * (8.0 / 6.0 if m.checkpointing else 1.0)
     compute = hw / peak_all
     backward = compute * (0.75 if m.checkpointing else 2.0 / 3.0)
     ranks = [contents(r) for r in range(s.pp)]
     layers = max(len(rc.layers) for rc in ranks)
-    msg = s.seq_len * s.micro_batch * m.d * act_b
-    tp_s, tp_calls = 0.0, 0
-    if s.tp > 1:
-        tp_calls = (6 if m.checkpointing else 4) * layers * s.microbatches
-        tp_s = tp_calls * allreduce_bytes(msg, s.tp) / _link(chip, s.tp)
-    pp_s, pp_calls = 0.0, 0
-    if s.pp > 1:
-        pp_calls = 2 * s.microbatches * s.chunks_per_rank
-        pp_s = pp_calls * msg / (s.tp if s.sequence_parallel else 1) / _link(chip, s.tp * s.pp)
+    tp_s, tp_calls, pp_s, pp_calls = _mesh_comm(m, s, chip, layers, BYTES[precision.compute_dtype])
     n = max(params(rc, r) for r, rc in enumerate(ranks))
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / _link(chip, s.world)
     n_dp = dp_calls(m, s, n, layers, precision, comm, planner)
@@ -304,6 +293,31 @@ def step_parts(
         tp_layer_passes=layer_passes(layers, s, m.checkpointing) if s.tp > 1 else 0.0,
         share=cpu_share(s, chip, planner),
     )
+
+
+def _peak_flops(precision: DictConfig, chip: DictConfig, s: ParallelShape) -> float:
+    """FLOP/s of all the trial's devices in its compute dtype (the fp32 peak where the chip gives
+    none for it); a CPU "device" is a worker process: they all share the host, whose peak the cpu
+    preset gives."""
+    peak = float(chip.peak_tflops.get(precision.compute_dtype, chip.peak_tflops.get("fp32", 0.0))) * 1e12
+    return max(peak, 1e-9) * (1 if chip.device_type == "cpu" else s.world)
+
+
+def _mesh_comm(
+    m: ModelShape, s: ParallelShape, chip: DictConfig, layers: int, act_b: int
+) -> Tuple[float, int, float, int]:
+    """Seconds and calls of the tensor-parallel all-reduces (4 per layer and micro-batch, 6 with
+    recomputation) and of the pipeline's sends (one activation each way per micro-batch and chunk)."""
+    msg = s.seq_len * s.micro_batch * m.d * act_b
+    tp_s, tp_calls = 0.0, 0
+    if s.tp > 1:
+        tp_calls = (6 if m.checkpointing else 4) * layers * s.microbatches
+        tp_s = tp_calls * allreduce_bytes(msg, s.tp) / _link(chip, s.tp)
+    pp_s, pp_calls = 0.0, 0
+    if s.pp > 1:
+        pp_calls = 2 * s.microbatches * s.chunks_per_rank
+        pp_s = pp_calls * msg / (s.tp if s.sequence_parallel else 1) / _link(chip, s.tp * s.pp)
+    return tp_s, tp_calls, pp_s, pp_calls
 
 
 def combine(
