@@ -188,6 +188,32 @@ def test_eval_every_measures_the_held_out_split_and_dropout_acts_only_in_trainin
     assert no_eval["losses"] == dropped["losses"] and "val_loss" not in no_eval
 
 
+# --- trainer.grad_clip, model.norm_eps ----------------------------------------------------------------
+
+
+def test_grad_clip_bounds_the_norm_the_optimizer_sees(compose_cfg):
+    """A bound the global gradient norm never reaches changes no bit (0 is off); a bound below it
+    rescales every step's gradients, which AdamW's moments keep: the trajectory moves."""
+    steps = ["trainer.steps=4", "trainer.log_every=1"]
+    off, _ = _train(compose_cfg, [*steps, "trainer.grad_clip=0"])
+    loose, _ = _train(compose_cfg, [*steps, "trainer.grad_clip=1e9"])
+    tight, _ = _train(compose_cfg, [*steps, "trainer.grad_clip=1e-3"])
+    assert min(off["grad_norms"]) > 1e-3  # the tight bound binds at every step
+    assert loose["losses"] == off["losses"]
+    assert tight["losses"][0] == off["losses"][0]  # before any update
+    assert tight["losses"][2:] != pytest.approx(off["losses"][2:], rel=1e-4)
+    assert tight["grad_norms"][0] == off["grad_norms"][0]  # the norm is measured before the clip
+
+
+@pytest.mark.parametrize("model", ["gpt_tiny", "llama_tiny"])  # LayerNorm, RMSNorm
+def test_norm_eps_reaches_every_norm(compose_cfg, model):
+    """model.norm_eps is the epsilon of every norm of the model built (Llama: rms_norm_eps):
+    a large one changes the first loss."""
+    base, _ = _train(compose_cfg, [f"model={model}", "trainer.steps=1"])
+    big, _ = _train(compose_cfg, [f"model={model}", "trainer.steps=1", "model.norm_eps=10"])
+    assert big["losses"][0] != pytest.approx(base["losses"][0], rel=1e-4)
+
+
 TINY = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32)
 
 

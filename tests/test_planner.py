@@ -355,6 +355,33 @@ def test_comm_buffers_per_communicator_and_ddp_buckets():
     assert gloo.comm_buffers == 0
 
 
+def test_the_planner_s_own_keys_move_the_plan():
+    """The planner-only keys (not the trainer's: documented so in PlannerConfig) each move the part
+    of the plan they name, and only that: the NCCL channels the communicators' buffers, the runtime
+    reserve and the fragmentation fraction the overhead, the headroom what is usable and so the
+    verdict."""
+    m, chip = ModelShape.of(preset("model", "llama2_7b")), preset("chip", "a100")
+    s = ParallelShape(dp=2, tp=2, pp=2, microbatches=4, micro_batch=1, seq_len=2048)
+
+    def plan(**kw):
+        return planner.memory_plan(m, s, precision(), DEFAULTS.comm, chip, planner_cfg(**kw))
+
+    base = plan()
+    twice = plan(nccl_channels=2 * DEFAULTS.planner.nccl_channels)
+    assert twice.comm_buffers == pytest.approx(2 * base.comm_buffers) and base.comm_buffers > 0
+    assert twice.total - base.total == pytest.approx(base.comm_buffers)
+    reserve = plan(runtime_overhead_gb=DEFAULTS.planner.runtime_overhead_gb + 3)
+    assert reserve.overhead - base.overhead == pytest.approx(3 * 2**30)
+    no_fraction = plan(overhead_fraction=0.0)
+    assert no_fraction.overhead == pytest.approx(DEFAULTS.planner.runtime_overhead_gb * 2**30)
+    assert base.overhead - no_fraction.overhead == pytest.approx(
+        DEFAULTS.planner.overhead_fraction * (states(base) + base.activations)
+    )
+    total_gb = base.total / 2**30
+    assert plan(headroom=1.01 * total_gb / chip.memory_gb).fits
+    assert not plan(headroom=0.99 * total_gb / chip.memory_gb).fits
+
+
 def test_shards_are_cut_as_torch_chunk_cuts():
     """DTensor's Shard and FSDP2 both cut with torch.chunk: pieces of ceil(n/k), the last ones
     smaller or empty. The planner's per-rank counts follow it, not n/k."""

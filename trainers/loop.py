@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from trainers import checkpoint as ckpt
 from trainers import comm as comm_mod
 from trainers import data as data_mod
-from trainers import faults, measure, rules
+from trainers import faults, measure, ranks, rules
 from trainers import optim as optim_mod
 from trainers.assembly import RankModel
 from trainers.clock import StepClock
@@ -223,7 +223,7 @@ class Loop:
         device_values = [grad_norm, scaler.scale, scaler.skipped_steps, scaler.skipped_in_row, found_inf, first_bad]
         self.log.add(row, loss, device_values)
         if self.val_loader is not None and (step + 1) % self.targs.eval_every == 0:
-            row["val_loss"] = _global_mean(self.model.evaluate(self.val_loader), self.holds_loss, self.world)
+            row["val_loss"] = ranks.global_mean(self.model.evaluate(self.val_loader), self.holds_loss, self.world)
 
     def _deliver(self, rows: List[Dict[str, Any]]) -> None:
         mem = peak_memory_gb(self.device)
@@ -254,7 +254,7 @@ class Loop:
             # others only take its answer
             if self.clock.host_timed or flushed:
                 enough = self.rank == 0 and measure.enough(self.timed_steps, targs.measure_tolerance)
-                measured = _agree(enough, self.device, self.world)
+                measured = ranks.agree(enough, self.device, self.world)
             if measured and not flushed:
                 self._flush()
         if due:
@@ -286,12 +286,12 @@ class Loop:
         mem = memory_gb(device)
         held = self.state_bytes or {}
         return {
-            "prof": {k: _gather(mine.get(k, 0.0), device, world) for k in METRIC_KEYS},
-            "peaks": _gather(mem["allocated"], device, world),
-            "reserved": _gather(mem["reserved"], device, world),
-            "device_used": _gather(mem["device_used"], device, world),
-            "skipped": _gather(float(self.scaler.skipped_steps), device, world),  # a host read, once
-            "held": {k: _gather(float(held.get(k, 0)), device, world) for k in ("params", "grads", "optimizer")},
+            "prof": {k: ranks.gather(mine.get(k, 0.0), device, world) for k in METRIC_KEYS},
+            "peaks": ranks.gather(mem["allocated"], device, world),
+            "reserved": ranks.gather(mem["reserved"], device, world),
+            "device_used": ranks.gather(mem["device_used"], device, world),
+            "skipped": ranks.gather(float(self.scaler.skipped_steps), device, world),  # a host read, once
+            "held": {k: ranks.gather(float(held.get(k, 0)), device, world) for k in ("params", "grads", "optimizer")},
             "param_sum_final": param_checksum(self.model.params, self.model.mesh),
             "tp_divergence": self.model.tp_replica_divergence(),
         }
@@ -361,15 +361,6 @@ class Loop:
         }
 
 
-def _agree(stop: bool, device: torch.device, world: int) -> bool:
-    """Rank 0's decision, taken by every rank (all stop at the same step or none does)."""
-    if world == 1 or not dist.is_initialized():
-        return stop
-    flag = torch.tensor([1.0 if stop else 0.0], device=device)
-    dist.broadcast(flag, src=0)
-    return bool(flag.item())
-
-
 def _log_profile(profiler: Profiler, reporter: Reporter) -> None:
     """This rank's trace and op table as the run's ``profile/`` artifacts (rank 0's reporter;
     other ranks hold a null one)."""
@@ -384,25 +375,6 @@ def _log_profile(profiler: Profiler, reporter: Reporter) -> None:
 def count_params_global(margs) -> int:
     with torch.device("meta"):
         return count_params(GPT(margs))
-
-
-def _global_mean(mine: torch.Tensor, holds_loss: torch.Tensor, world: int) -> float:
-    """All ranks: the mean of ``mine`` over the ranks that hold a loss (tp copies and dp replicas
-    alike; pipeline ranks without the last stage hold none)."""
-    both = torch.cat([mine.reshape(1).float() * holds_loss, holds_loss])
-    if dist.is_initialized() and world > 1:
-        dist.all_reduce(both, op=dist.ReduceOp.SUM)
-    return float(both[0] / both[1])
-
-
-def _gather(value: float, device: torch.device, world: int) -> List[float]:
-    """One number from every rank, in rank order."""
-    mine = torch.tensor([value], dtype=acc_dtype(device), device=device)
-    if not dist.is_initialized() or world == 1:
-        return [float(mine)]
-    out = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine)
-    return [float(t) for t in out]
 
 
 @record  # writes the exception to the elastic error file, so the launcher can report why

@@ -99,26 +99,10 @@ def apply_tp(model: GPT, tp_mesh, sequence_parallel: bool) -> None:
     cross-entropy over the shards. With sequence parallelism the norms and residual stream are
     sharded along the sequence (all-gather before, reduce-scatter after each sub-layer)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import PrepareModuleInput, parallelize_module
 
     sp = sequence_parallel
-    act = Shard(1) if sp else Replicate()
-    top: Dict[str, Any] = {}
-    if model.tok_emb is not None:
-        top["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if model.head is not None:
-        # the logits stay Shard(-1), a plain local tensor out (use_local_output): no rank holds
-        # the whole vocabulary's logits (at tp8, seq 4096, vocab 128k the fp32 copy alone would
-        # be 2 GiB a micro-batch), and pipeline stages and the evaluation pass plain tensors
-        top["head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=True)
-        if sp:
-            top["norm"] = SequenceParallel()
+    top = _ends_plan(model, sp)
     if top:
         parallelize_module(model, tp_mesh, top)
     # parallelize_module gave each module its own DTensor parameter, silently untying a tied
@@ -126,28 +110,7 @@ def apply_tp(model: GPT, tp_mesh, sequence_parallel: bool) -> None:
     # one initial value, one gradient (the sum of both uses), one optimizer state.
     model.tie_weights()
     for block in model.layers.values():
-        plan: Dict[str, Any] = {
-            "attn.wq": ColwiseParallel(),
-            "attn.wk": ColwiseParallel(),
-            "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(output_layouts=act),
-            "mlp.w1": ColwiseParallel(),
-            "mlp.w2": RowwiseParallel(output_layouts=act),
-        }
-        if block.mlp.w3 is not None:
-            plan["mlp.w3"] = ColwiseParallel()
-        if sp:
-            plan.update(
-                {
-                    "attn_norm": SequenceParallel(),
-                    "mlp_norm": SequenceParallel(),
-                    "attn": PrepareModuleInput(
-                        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-                    ),
-                    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                }
-            )
-        parallelize_module(block, tp_mesh, plan)
+        parallelize_module(block, tp_mesh, _block_plan(block, sp))
     if sp and model.tok_emb is not None:
         # the embedding (plus learned positions) is replicated; the first block shards the
         # residual stream along the sequence. Between pipeline stages it travels sharded.
@@ -159,6 +122,60 @@ def apply_tp(model: GPT, tp_mesh, sequence_parallel: bool) -> None:
                 input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True
             ),
         )
+
+
+def _ends_plan(model: GPT, sp: bool) -> Dict[str, Any]:
+    """The plan of the model's ends this stage holds: the vocab-parallel embedding, the final norm
+    and the vocab-sharded head."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    top: Dict[str, Any] = {}
+    if model.tok_emb is not None:
+        top["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.head is not None:
+        # the logits stay Shard(-1), a plain local tensor out (use_local_output): no rank holds
+        # the whole vocabulary's logits (at tp8, seq 4096, vocab 128k the fp32 copy alone would
+        # be 2 GiB a micro-batch), and pipeline stages and the evaluation pass plain tensors
+        act = Shard(1) if sp else Replicate()
+        top["head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=True)
+        if sp:
+            top["norm"] = SequenceParallel()
+    return top
+
+
+def _block_plan(block: Any, sp: bool) -> Dict[str, Any]:
+    """One transformer block's plan: q/k/v and w1 (w3) column-parallel, wo and w2 row-parallel
+    into the residual stream's layout (sharded along the sequence with ``sp``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    act = Shard(1) if sp else Replicate()
+    plan: Dict[str, Any] = {
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=act),
+        "mlp.w1": ColwiseParallel(),
+        "mlp.w2": RowwiseParallel(output_layouts=act),
+    }
+    if block.mlp.w3 is not None:
+        plan["mlp.w3"] = ColwiseParallel()
+    if sp:
+        plan.update(
+            {
+                "attn_norm": SequenceParallel(),
+                "mlp_norm": SequenceParallel(),
+                "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            }
+        )
+    return plan
 
 
 def vocab_offset(vocab_size: int, tp: int, tp_rank: int) -> int:
