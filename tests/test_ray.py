@@ -1,8 +1,9 @@
 """The Ray launch path on real Ray clusters, with real gloo worker groups and a real MLflow store.
 
-Three tests, two clusters (a Ray cluster takes ~5 s to start and each trial's workers ~10 s on
-two cores): a sweep that queues on a local cluster started by the launcher itself, then a
-`ray start --head` cluster shared by a crashing sweep and a `ray job submit`.
+Two clusters (a Ray cluster takes ~5 s to start and each trial's workers ~10 s on two cores): a
+sweep that queues on a local cluster started by the launcher itself, then a `ray start --head`
+cluster of 2 CPUs shared by the other tests (warm groups that give way, a crashing sweep, warm
+groups turned off, a `ray job submit`).
 """
 
 from __future__ import annotations
@@ -84,12 +85,18 @@ def test_a_sweep_queues_on_a_local_cluster_and_nests_its_runs(tmp_path):
     assert got == pytest.approx(want, rel=1e-6), (got, want)
 
 
-def test_warm_groups_of_another_shape_give_way(tmp_path):
-    """A cluster of 2 CPUs, a 1-rank and a 2-rank trial: whichever runs first leaves its group
+def test_warm_groups_of_another_shape_give_way(tmp_path, ray_head):
+    """The head's 2 CPUs, a 1-rank and a 2-rank trial: whichever runs first leaves its group
     idle, holding CPUs the other waits for; the idle group is evicted and both finish (without
     that, the second trial would wait forever)."""
-    common = [*(a for a in COMMON if not a.startswith("parallel=")), "parallel=single,dp2", "launch.ray.num_cpus=2"]
-    proc = run_cli(["-m", "hydra/launcher=ray", *common], cwd=tmp_path, timeout=600)
+    common = [*(a for a in COMMON if not a.startswith("parallel=")), "parallel=single,dp2"]
+    proc = run_cli(
+        ["-m", "hydra/launcher=ray", *common],
+        cwd=tmp_path,
+        timeout=600,
+        RAY_ADDRESS=ray_head["address"],
+        RAY_AUTH_MODE="token",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     _, children = _sweep(search_runs("sqlite:///" + str(tmp_path / "mlruns.db")))
     assert sorted(c.data.tags["trial.status"] for c in children) == ["finished", "finished"]
@@ -99,13 +106,14 @@ def test_warm_groups_of_another_shape_give_way(tmp_path):
 
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
-    """`ray start --head` on 127.0.0.1 with 4 CPUs and its dashboard, stopped at the end. It does
-    not see this checkout (no PYTHONPATH): the code must travel to its workers."""
+    """`ray start --head` on 127.0.0.1 with 2 CPUs (one 2-rank trial at a time: a sweep's trials
+    queue) and its dashboard, stopped at the end. It does not see this checkout (no PYTHONPATH):
+    the code must travel to its workers."""
     env = cli_env(RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S="0")
     env.pop("PYTHONPATH", None)
     # a submitted job's `python` is this environment's, activated or not
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + env.get("PATH", "")
-    with head_node(tmp_path_factory.mktemp("ray_head"), env, cpus=4, dashboard=True) as head:
+    with head_node(tmp_path_factory.mktemp("ray_head"), env, cpus=2, dashboard=True) as head:
         yield head
 
 
