@@ -34,6 +34,7 @@ from orchestrator import (
     ray_trial,
     sweep,
     tracking,
+    trial_files,
 )
 from orchestrator.filled import fill
 from orchestrator.launch import TrialFailed, launch_local, start_workers_early, trial_nodes
@@ -200,44 +201,6 @@ def check(cfg: DictConfig) -> Dict[str, Any]:
     }
 
 
-def _journal(run_id: str) -> str:
-    """Where rank 0's reporter journals its records (``orchestrator.mlflow_reporter.MlflowReporter``):
-    next to the trial's output, the job's Hydra output folder (else the working directory)."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        base = Path(HydraConfig.get().runtime.output_dir)
-    except Exception:  # noqa: BLE001 - not a Hydra job (a test, a notebook), or one without an output dir (--cfg)
-        base = Path.cwd()
-    return str(base / f"mlflow_journal_{run_id}.jsonl")
-
-
-def _checkpoint_dir(cfg: DictConfig, run_id: str) -> str:
-    """The trial's checkpoint folder, shared by its ranks and by its restarted worker groups.
-    Unset: ``./checkpoints/<run id>``. Set, for one trial: that folder itself (the same command
-    run again resumes from it). Set, in a sweep (a multirun, tracked or not): a root, each trial in
-    ``<root>/<run id>`` (a random id without tracking), so that no trial resumes from another's
-    checkpoints."""
-    root = cfg.trainer.checkpoint_dir
-    if not root:
-        return str(Path("checkpoints").resolve() / run_id)
-    if sweep.current() is not None or _in_multirun():
-        return str(root).rstrip("/") + "/" + run_id
-    return str(root)
-
-
-def _in_multirun() -> bool:
-    """Is this a job of a Hydra multirun? Its own config says so (``hydra.mode``), with tracking
-    on or off: a sweep's trials never share one checkpoint folder."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        return HydraConfig.get().mode == RunMode.MULTIRUN
-    except Exception:  # noqa: BLE001 - not a Hydra job (a test, a notebook)
-        return False
-
-
 @dataclass
 class Trial:
     """A trial past validation and preflight: recorded in MLflow (a run with status running) and
@@ -297,12 +260,12 @@ def start(
         uri, run_id = tracking.start_run(cfg, overrides, {**trial_tags(cfg, lay), **sweep.child_tags(cfg.tracking)})
         result["run_id"] = run_id
         reporter = mlflow_reporter.MlflowReporter(
-            uri, run_id, int(cfg.trainer.steps), progress, journal=_journal(run_id)
+            uri, run_id, int(cfg.trainer.steps), progress, journal=trial_files.journal(run_id)
         )
         tracking.log_metrics(uri, run_id, {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "world_size": lay.world_size})
         _log_preflight(uri, run_id, report)
     if cfg.trainer.checkpoint_every > 0:
-        spec.trainer.checkpoint_dir = _checkpoint_dir(cfg, result["run_id"] or uuid.uuid4().hex)
+        spec.trainer.checkpoint_dir = trial_files.checkpoint_dir(cfg, result["run_id"] or uuid.uuid4().hex)
     if cfg.trainer.profile and not spec.trainer.profile_dir:
         spec.trainer.profile_dir = str(Path("profiles").resolve() / (result["run_id"] or uuid.uuid4().hex))
     trial.spec, trial.reporter = spec, reporter

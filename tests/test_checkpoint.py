@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from orchestrator import trial
+from orchestrator import trial, trial_files
 from tests.conftest import metric_history, search_runs
 from trainers import checkpoint as ckpt
 
@@ -119,7 +119,7 @@ def test_a_multirun_gives_each_trial_its_own_folder_under_checkpoint_dir(tmp_pat
         with initialize_config_dir(str(conf_dir()), version_base="1.3"):
             cfg = compose("config", overrides=overrides, return_hydra_config=True)
         HydraConfig.instance().set_config(cfg)
-        folder = trial._checkpoint_dir(cfg, "r1")
+        folder = trial_files.checkpoint_dir(cfg, "r1")
     finally:
         HydraConfig.instance().cfg = None
         GlobalHydra.instance().clear()

@@ -110,7 +110,8 @@ def test_a_valid_config_passes(compose_cfg):
     "overrides,name",
     [
         (["parallel.dp=-1", "parallel.tp=2", "launch.world_size=8"], "dp4tp2pp1"),  # filled from the world
-        (["parallel.dp=-1", "parallel.pp=2", "chip.devices_per_node=4", "launch.nnodes=2"], "dp4tp1pp2"),  # every device
+        # every device of the nodes
+        (["parallel.dp=-1", "parallel.pp=2", "chip.devices_per_node=4", "launch.nnodes=2"], "dp4tp1pp2"),
         (["parallel.dp=3", "launch.world_size=3"], "dp3tp1pp1"),  # given
     ],
 )
