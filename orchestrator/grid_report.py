@@ -147,11 +147,7 @@ def from_trials(
         if gates[id(p)] is None and (best is None or results.better(p.value, best.value, direction)):
             best = p
     rows, helped, did_not = _rows(points, keys, gates, best, threshold, direction)
-    final_p = best or baseline
     pruned = sum(results.status(r) in ("infeasible", "unsupported_op") for r in runs)
-    curves = OrderedDict([("baseline", baseline.losses.get(baseline.run_ids[0], []) if baseline.values else [])])
-    if best is not None and best is not baseline:
-        curves["best: " + " ".join(f"{k}={best.labels.get(k)}" for k in keys)] = best.losses.get(best.run_ids[0], [])
     return {
         "kind": "grid",
         "study": None,
@@ -171,18 +167,10 @@ def from_trials(
         "fixed": [f"{k}={v}" for k, v in baseline.labels.items() if k not in keys],
         "rows": rows,
         "variable_rows": _variable_rows(keys, rows, points),
-        "final": {
-            "assignment": {k: final_p.labels.get(k, "") for k in keys},
-            "overrides": final_p.overrides,
-            "command": results.command(final_p.overrides),
-            "objective": final_p.value,
-            "s_total": results.speedup(baseline.value, final_p.value, direction),
-            "run_ids": list(final_p.run_ids),
-            "config_hash": final_p.config_hash,
-        },
+        "final": _final(best or baseline, baseline, keys, direction),
         "helped": helped,
         "did_not_help": did_not,
-        "curves": curves,
+        "curves": _curves(baseline, best, keys),
         "trials": {
             "launched": len(runs) - pruned,
             "reused": 0,
@@ -190,3 +178,24 @@ def from_trials(
             "trial_seconds": results.run_seconds(runs),
         },
     }
+
+
+def _final(final: Any, baseline: Any, keys: List[str], direction: str) -> Dict[str, Any]:
+    """The report's final point (the best, else the baseline): its values, command and speedup."""
+    return {
+        "assignment": {k: final.labels.get(k, "") for k in keys},
+        "overrides": final.overrides,
+        "command": results.command(final.overrides),
+        "objective": final.value,
+        "s_total": results.speedup(baseline.value, final.value, direction),
+        "run_ids": list(final.run_ids),
+        "config_hash": final.config_hash,
+    }
+
+
+def _curves(baseline: Any, best: Any, keys: List[str]) -> "OrderedDict[str, List[Any]]":
+    """The loss curves plotted: the baseline's first run and, where another point won, the best's."""
+    curves = OrderedDict([("baseline", baseline.losses.get(baseline.run_ids[0], []) if baseline.values else [])])
+    if best is not None and best is not baseline:
+        curves["best: " + " ".join(f"{k}={best.labels.get(k)}" for k in keys)] = best.losses.get(best.run_ids[0], [])
+    return curves

@@ -26,6 +26,24 @@ def _slug(key: str) -> str:
 
 
 def markdown(data: Dict[str, Any]) -> str:
+    """The tuning report as markdown: the study's rules and counts, its steps, the final config and
+    its command, what helped and what did not, the plots."""
+    lines = _head(data) + _steps(data["rows"]) + _final(data["final"], data["objective"])
+    lines += ["", "## What helped", ""]
+    lines += [f"- [x] {h}" for h in data["helped"]] or ["- nothing beat the baseline by more than the threshold"]
+    lines += ["", "## What did not", ""]
+    lines += [f"- [ ] {h}" for h in data["did_not_help"]] or ["- (every change tried helped)"]
+    if data.get("skipped"):
+        lines += ["", "## Not measured: no effect on the incumbent, or predicted slower", ""]
+        lines += [f"- {s}" for s in data["skipped"]]
+    plots = data.get("plots") or []
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def _head(data: Dict[str, Any]) -> List[str]:
+    """The title and the study's rules: objective, repeats, noise, threshold, trials spent."""
     obj, direction = data["objective"], data["direction"]
     s_word = "T_baseline / T" if direction == "minimize" else "value / value_baseline"
     title = f"Tuning report: {data.get('study') or data['kind']} (sweep {data['sweep']})"
@@ -54,7 +72,12 @@ def markdown(data: Dict[str, Any]) -> str:
         )
     if data.get("outcome") not in (None, "finished"):
         lines.append(f"- outcome: **{data['outcome']}**")
-    lines += [
+    return lines
+
+
+def _steps(rows: List[Dict[str, Any]]) -> List[str]:
+    """The table of the study's steps, the adopted values in bold."""
+    lines = [
         "",
         "## Steps",
         "",
@@ -62,7 +85,7 @@ def markdown(data: Dict[str, Any]) -> str:
         "| final loss | decision |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in data["rows"]:
+    for r in rows:
         decision = r["decision"].replace("|", "\\|")
         mark = "**" if r.get("adopted") else ""
         lines.append(
@@ -70,11 +93,15 @@ def markdown(data: Dict[str, Any]) -> str:
             f"| {fmt(r['objective'])} | {100 * r['spread']:.1f}% | {fmt(r['s_base'], 3)} "
             f"| {fmt(r.get('s_prev'), 3)} | {fmt(r['final_loss'])} | {decision} |"
         )
-    final = data["final"]
-    lines += ["", "## Final config", ""]
+    return lines
+
+
+def _final(final: Dict[str, Any], obj: str) -> List[str]:
+    """The final config, its objective and speedup, and the command that reproduces it."""
+    lines = ["", "## Final config", ""]
     if final.get("assignment"):
         lines += [f"- `{k}={v}`" for k, v in final["assignment"].items()]
-    lines += [
+    return lines + [
         "",
         f"{obj} = {fmt(final.get('objective'))}, S = {fmt(final.get('s_total'), 3)} over the baseline "
         f"(runs {', '.join(final.get('run_ids') or []) or '-'})",
@@ -84,20 +111,7 @@ def markdown(data: Dict[str, Any]) -> str:
         "```",
         final["command"],
         "```",
-        "",
-        "## What helped",
-        "",
     ]
-    lines += [f"- [x] {h}" for h in data["helped"]] or ["- nothing beat the baseline by more than the threshold"]
-    lines += ["", "## What did not", ""]
-    lines += [f"- [ ] {h}" for h in data["did_not_help"]] or ["- (every change tried helped)"]
-    if data.get("skipped"):
-        lines += ["", "## Not measured: no effect on the incumbent, or predicted slower", ""]
-        lines += [f"- {s}" for s in data["skipped"]]
-    plots = data.get("plots") or []
-    if plots:
-        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-    return "\n".join(lines) + "\n"
 
 
 def _save(fig: Any, path: Path) -> bool:
