@@ -44,6 +44,21 @@ def test_workers_on_every_node_get_the_driver_s_exported_environment(monkeypatch
     assert "ASCEND_RT_VISIBLE_DEVICES" not in env and "HCCL_IF_IP" not in env and "UNRELATED" not in env
 
 
+@pytest.mark.parametrize(
+    "chip,resource,asked",
+    [("+chip=ascend910b", "NPU_CORES", "NPU_CORES"), ("+chip=a100", "GPU_X", "GPU_X"), ("+chip=cpu", "GPU_X", "CPU")],
+)
+def test_a_trial_s_ranks_ask_ray_for_the_chip_s_resource(compose_cfg, chip, resource, asked):
+    """chip.ray_resource is what each rank asks Ray for (a cluster names its NPUs as it likes);
+    a CPU trial, or one emulating a chip, asks for a CPU whatever it says."""
+    from orchestrator.ray_trial import Placement
+
+    cfg = compose_cfg([chip, f"chip.ray_resource={resource}"])
+    assert Placement.of(cfg.chip, cfg.launch.ray, 1).resource == asked
+    cfg.chip.emulate = True
+    assert Placement.of(cfg.chip, cfg.launch.ray, 1).resource == "CPU"
+
+
 def test_only_a_tracking_server_is_written_from_other_nodes():
     assert relay.needs_relay("sqlite:////tmp/mlruns.db")
     assert relay.needs_relay("file:///tmp/mlruns") and relay.needs_relay("/tmp/mlruns")

@@ -60,3 +60,17 @@ def test_loader_with_workers_yields_micro_batches(tmp_path):
     assert len(batches) == 3 * 2 and batches[0][0].shape == (2, 16) and batches[0][0].dtype == torch.int64
     x, y = batches[0]
     assert torch.equal(x[:, 1:], y[:, :-1])
+
+
+def test_the_data_section_s_cache_folder_and_size_cap_make_the_corpus(tmp_path, compose_cfg):
+    """data.cache_dir is where the stdlib corpus is built; data.max_corpus_mb caps it (bytes, one
+    uint16 token each)."""
+    from orchestrator import trial
+    from trainers.data import build_dataset
+
+    cfg = trial.prepare(compose_cfg(["+chip=cpu", f"data.cache_dir={tmp_path}", "data.max_corpus_mb=1"]))
+    spec = trial.build_spec(cfg)
+    ds = build_dataset(spec.data, 64, 256, seed=0)
+    (corpus,) = tmp_path.glob("stdlib-bytes-*.u16")
+    assert corpus.stat().st_size == 2 * 1024 * 1024
+    assert len(ds) == (int(1024 * 1024 * (1 - spec.data.val_fraction)) - 1) // 64
