@@ -89,6 +89,17 @@ def test_a_seeded_store_is_the_store_mlflow_makes(tmp_path, monkeypatch):
     assert not [p for p in (tmp_path / "new").iterdir() if p.name.startswith(".")]
 
 
+def test_every_module_the_forkserver_preloads_imports():
+    """The server skips a preload name that fails to import without a word, and every worker of
+    every trial then imports it again: each name must import."""
+    import importlib
+
+    from orchestrator.launch import FORKSERVER_PRELOAD
+
+    for name in FORKSERVER_PRELOAD:
+        assert importlib.import_module(name).__name__ == name
+
+
 def test_workers_start_early_from_one_forkserver():
     import multiprocessing
     from multiprocessing import forkserver
