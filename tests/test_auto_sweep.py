@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.conftest import run_cli, search_runs
+from tests.conftest import cli_in_process, run_cli, search_runs
 
 BASE = ["+sweep=auto", "+chip=cpu", "trainer.global_batch=8", "trainer.seq_len=32", "trainer.steps=8"]
 # gpt_tiny on 2 CPU ranks, the space narrowed to what a test can afford: dp2, tp2 or pp2 (1F1B),
@@ -62,10 +62,10 @@ def _trial_runs(uri):
     return [r for r in search_runs(uri) if "sweep.status" not in r.data.tags]
 
 
-def test_a_dry_run_plans_and_launches_nothing(tmp_path):
-    proc = run_cli([*BASE, "model=llama_tiny", "launch.world_size=4", "hydra.sweeper.dry_run=true"], cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = proc.stdout
+def test_a_dry_run_plans_and_launches_nothing(tmp_path, monkeypatch, capfd):
+    args = [*BASE, "model=llama_tiny", "launch.world_size=4", "hydra.sweeper.dry_run=true"]
+    code, out, err = cli_in_process(args, tmp_path, monkeypatch, capfd)
+    assert code == 0, err[-3000:]
     assert "auto (dry run): 164 points, 100 fit" in out, out
     assert "excluded     48  parallel.microbatches=N is below parallel.pp=N" in out
     assert "    1. dp4tp1pp1" in out and "measure: at most 12 trials in batches of 2" in out
@@ -88,11 +88,11 @@ def test_a_dry_run_plans_and_launches_nothing(tmp_path):
         ),
     ],
 )
-def test_bad_input_is_one_line_exit_2_and_nothing_launched(tmp_path, extra, line):
-    proc = run_cli([*BASE, "model=gpt_tiny", *extra], cwd=tmp_path)
-    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
-    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
-    assert len(errors) == 1 and line in errors[0], proc.stderr[-2000:]
+def test_bad_input_is_one_line_exit_2_and_nothing_launched(tmp_path, monkeypatch, capfd, extra, line):
+    code, out, err = cli_in_process([*BASE, "model=gpt_tiny", *extra], tmp_path, monkeypatch, capfd)
+    assert code == 2, (out[-2000:], err[-2000:])
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and line in errors[0], err[-2000:]
     assert _trial_runs("sqlite:///" + str(tmp_path / "mlruns.db")) == []
 
 

@@ -10,7 +10,7 @@ import torch
 from orchestrator import chips, relay
 from orchestrator.ray_cluster import worker_env
 from orchestrator.trial import ConfigError, resolve
-from tests.conftest import run_cli
+from tests.conftest import cli_in_process
 from trainers import checkpoint as ckpt
 
 # 4 ranks on nodes of 2 devices: two nodes, so a Ray cluster address is needed
@@ -97,10 +97,11 @@ def test_a_one_node_trial_may_restart_elsewhere_on_a_cluster(compose_cfg, monkey
     resolve(compose_cfg(["+chip=cpu", "trainer.checkpoint_every=5", "launch.max_failures=1"]))  # one machine
 
 
-def test_the_refusal_exits_2_before_anything_runs(tmp_path):
-    proc = run_cli([*TWO_NODES, "trainer.checkpoint_every=10"], cwd=tmp_path, RAY_ADDRESS="10.0.0.1:6379")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "trainer.checkpoint_dir: unset" in proc.stderr
+def test_the_refusal_exits_2_before_anything_runs(tmp_path, monkeypatch, capfd):
+    args = [*TWO_NODES, "trainer.checkpoint_every=10"]
+    code, _, err = cli_in_process(args, tmp_path, monkeypatch, capfd, RAY_ADDRESS="10.0.0.1:6379")
+    assert code == 2, err[-2000:]
+    assert "trainer.checkpoint_dir: unset" in err
     assert not (tmp_path / "mlruns.db").exists()
 
 

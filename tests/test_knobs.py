@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from orchestrator import trial
 from orchestrator.results import Point, quality_gate
 from orchestrator.trial import ConfigError
-from tests.conftest import assert_planned_state_bytes, metric_history, run_cli
+from tests.conftest import assert_planned_state_bytes, cli_in_process, metric_history
 from trainers import comm, data
 from trainers.config import ModelConfig, PrecisionConfig
 from trainers.loop import NonFiniteError, train
@@ -342,9 +342,10 @@ def test_what_can_be_honoured_passes(compose_cfg):
         trial.prepare(compose_cfg([*ONE, *overrides]))
 
 
-def test_the_cli_exits_2_naming_fp32_ops(tmp_path):
-    proc = run_cli(["+chip=cpu", "trainer=smoke", "precision=bf16", "precision.fp32_ops=[rms_norm]"], cwd=tmp_path)
-    assert proc.returncode == 2 and "precision.fp32_ops" in proc.stderr, proc.stderr
+def test_the_cli_exits_2_naming_fp32_ops(tmp_path, monkeypatch, capfd):
+    args = ["+chip=cpu", "trainer=smoke", "precision=bf16", "precision.fp32_ops=[rms_norm]"]
+    code, _, err = cli_in_process(args, tmp_path, monkeypatch, capfd)
+    assert code == 2 and "precision.fp32_ops" in err, err
 
 
 # --- the tuner's quality gate ----------------------------------------------------------------------

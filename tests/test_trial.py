@@ -11,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from orchestrator import trial
-from tests.conftest import metric_history, run_cli, search_runs
+from tests.conftest import cli_in_process, metric_history, run_cli, search_runs
 from trainers.loop import train
 
 pytestmark = pytest.mark.distributed
@@ -94,14 +94,11 @@ def test_emulated_chip_runs_on_cpu_and_is_tagged(compose_cfg, mlflow_uri):
     assert "mfu" not in run.data.metrics  # no meaningful peak to divide by on a CPU
 
 
-def test_a_crashing_trial_is_recorded_failed_with_its_reason(tmp_path):
+def test_a_crashing_trial_is_recorded_failed_with_its_reason(tmp_path, monkeypatch, capfd):
     uri = "sqlite:///" + str(tmp_path / "runs.db")
-    proc = run_cli(
-        [*COMMON, "parallel=dp2", "trainer.fault.kill_rank=1", "trainer.fault.at_step=3"],
-        cwd=tmp_path,
-        MLFLOW_TRACKING_URI=uri,
-    )
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    args = [*COMMON, "parallel=dp2", "trainer.fault.kill_rank=1", "trainer.fault.at_step=3"]
+    code, _, err = cli_in_process(args, tmp_path, monkeypatch, capfd, MLFLOW_TRACKING_URI=uri)
+    assert code == 1, err[-2000:]
     run = search_runs(uri)[0]
     assert run.info.status == "FAILED"
     assert run.data.tags["trial.status"] == "crash"
@@ -131,19 +128,16 @@ def test_preflight_is_recorded_beside_the_measurement(compose_cfg, mlflow_uri):
     assert "preflight.json" in files
 
 
-def test_an_infeasible_trial_is_recorded_and_not_launched(tmp_path):
+def test_an_infeasible_trial_is_recorded_and_not_launched(tmp_path, monkeypatch, capfd):
     """llama2_70b on one emulated 910B: the planner refuses it before any process starts."""
     uri = "sqlite:///" + str(tmp_path / "runs.db")
-    proc = run_cli(
-        ["+chip=ascend910b", "chip.emulate=true", "model=llama2_70b", "trainer.seq_len=256"],
-        cwd=tmp_path,
-        MLFLOW_TRACKING_URI=uri,
-    )
-    assert proc.returncode == 1
+    args = ["+chip=ascend910b", "chip.emulate=true", "model=llama2_70b", "trainer.seq_len=256"]
+    code, out, _ = cli_in_process(args, tmp_path, monkeypatch, capfd, MLFLOW_TRACKING_URI=uri)
+    assert code == 1
     run = search_runs(uri)[0]
     assert run.data.tags["trial.status"] == "infeasible"
     assert "exceeds ascend910b's 64 GB" in run.data.tags["trial.reason"]
-    assert "trial " not in proc.stdout  # the launch line never came: no worker was started
+    assert "trial " not in out  # the launch line never came: no worker was started
     assert run.data.params["model.attn_impl"] == "npu_fused"  # planned with the mapped attention
 
 
