@@ -116,17 +116,15 @@ def start_workers_early(launch: Dict[str, Any]) -> str:
     return method
 
 
-def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: Dict[str, Any]) -> Dict[str, Any]:
-    """Run ``trainers.loop.worker_entry`` in ``world_size`` local processes; rank 0's summary."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def launch_config(world_size: int, launch: Dict[str, Any], start_method: str) -> Any:
+    """torch's elastic ``LaunchConfig`` for one node of ``world_size`` workers: the rendezvous at
+    ``launch.master_addr``:``launch.master_port`` (a free port when unset), restarted up to
+    ``launch.max_failures`` times."""
+    from torch.distributed.launcher.api import LaunchConfig
 
-    from trainers.loop import worker_entry
-
-    method = start_workers_early(launch)
     host = launch.get("master_addr", "127.0.0.1")
     port = int(launch.get("master_port") or 0) or free_port(host)
-    config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=world_size,
@@ -137,8 +135,18 @@ def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
         rdzv_configs={"timeout": 120},
         max_restarts=int(launch.get("max_failures", 0)),
         monitor_interval=0.2,
-        start_method=method,
+        start_method=start_method,
     )
+
+
+def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: Dict[str, Any]) -> Dict[str, Any]:
+    """Run ``trainers.loop.worker_entry`` in ``world_size`` local processes; rank 0's summary."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from trainers.loop import worker_entry
+
+    config = launch_config(world_size, launch, start_workers_early(launch))
     try:
         # the driver's environment now: a forkserver's workers would otherwise see the server's,
         # as it was when the driver's first trial started it

@@ -100,6 +100,13 @@ def worker_env(runtime_env: Dict[str, Any], prefixes: Sequence[str]) -> Dict[str
     return {k: v for k, v in env.items() if not k.endswith("_VISIBLE_DEVICES") and k not in NODE_OWN}
 
 
+def launch_env(runtime_env: Dict[str, Any], launch: Any) -> Dict[str, str]:
+    """:func:`worker_env` with the prefixes of a ``launch`` section (none where an application
+    has no such section, or a ``launch`` key that is not one)."""
+    prefixes = launch.get("env_prefixes") if hasattr(launch, "get") else None
+    return worker_env(runtime_env, list(prefixes or ()))
+
+
 def live_totals(resource: str) -> List[float]:
     """Each live node's total of ``resource``, as :meth:`Placement.units` takes them."""
     import ray

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.launch import error_summary
-from orchestrator.ray_cluster import cluster, cluster_address, worker_env
+from orchestrator.ray_cluster import cluster, cluster_address, launch_env
 from orchestrator.ray_trial import BoardSlot
 from orchestrator.relay import on_this_node
 
@@ -298,7 +298,7 @@ def _job_task(settings: Any, config: Any, ray_cfg: Any) -> Any:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    env = worker_env({}, list(OmegaConf.select(config, "launch.env_prefixes", default=None) or ()))
+    env = launch_env({}, OmegaConf.select(config, "launch", default=None))
     address = cluster_address(ray_cfg)
     if address:  # a joined cluster: the jobs' trials know they run on one
         env["RAY_ADDRESS"] = str(address)

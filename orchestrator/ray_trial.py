@@ -34,7 +34,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 from orchestrator import ray_pool, ray_rank, relay
 from orchestrator.launch import TrialFailed, classify
-from orchestrator.ray_cluster import cluster, live_totals, worker_env
+from orchestrator.ray_cluster import cluster, launch_env, live_totals
 from orchestrator.ray_failures import attempt_failed, failure_reason, lost_nodes
 
 log = logging.getLogger("orchestrator")
@@ -165,7 +165,7 @@ def launch_trial(
             workers_reporter=relay.for_workers(reporter),
             world_size=world_size,
             placement=placement,
-            env=worker_env(rt.env, launch.get("env_prefixes") or ()),
+            env=launch_env(rt.env, launch),
             board=ray.get_actor(slot.board) if slot is not None else None,
             key=slot.key if slot is not None else -1,
             pool=pool,

@@ -117,3 +117,21 @@ def test_workers_start_early_from_one_forkserver():
     p.start()
     p.join(60)
     assert p.exitcode == 0
+
+
+def test_the_local_launcher_meets_at_the_configured_address_and_port(compose_cfg):
+    """launch.master_addr and launch.master_port are where torch's elastic agent holds the
+    rendezvous (a free port when 0); launch.max_failures its restarts. From the composed config,
+    through the section the trial hands its launch path."""
+    from orchestrator import trial
+    from orchestrator.launch import free_port, launch_config
+
+    port = free_port()
+    overrides = ["+chip=cpu", "parallel=dp2", "launch.master_addr=127.0.0.2", f"launch.master_port={port}"]
+    resolved = trial.resolve(compose_cfg([*overrides, "launch.max_failures=2"]))
+    config = launch_config(2, resolved.launch_section(), "spawn")
+    assert config.rdzv_endpoint == f"127.0.0.2:{port}" and config.nproc_per_node == 2
+    assert config.max_restarts == 2 and config.start_method == "spawn"
+    unset = launch_config(2, trial.resolve(compose_cfg(["+chip=cpu"])).launch_section(), "spawn")
+    host, free = unset.rdzv_endpoint.rsplit(":", 1)
+    assert host == "127.0.0.1" and int(free) > 0

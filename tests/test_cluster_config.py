@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from orchestrator import chips, relay
-from orchestrator.ray_cluster import worker_env
+from orchestrator.ray_cluster import launch_env, worker_env
 from orchestrator.trial import ConfigError, resolve
 from tests.conftest import cli_in_process
 from trainers import checkpoint as ckpt
@@ -42,6 +42,22 @@ def test_workers_on_every_node_get_the_driver_s_exported_environment(monkeypatch
     assert env["HCCL_BUFFSIZE"] == "400" and env["HCCL_CONNECT_TIMEOUT"] == "600"
     assert env["NCCL_DEBUG"] == "INFO" and env["MLFLOW_TRACKING_TOKEN"] == "t0ken"
     assert "ASCEND_RT_VISIBLE_DEVICES" not in env and "HCCL_IF_IP" not in env and "UNRELATED" not in env
+
+
+def test_launch_env_prefixes_choose_which_exported_variables_travel(compose_cfg, monkeypatch):
+    """launch.env_prefixes, from the launch section a trial hands its Ray launch path (and a
+    sweep's job task reads from its config), to the environment of every worker."""
+    from orchestrator import trial
+
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("ACME_LICENSE", "k")
+    default = trial.resolve(compose_cfg(["+chip=cpu"])).launch_section()
+    assert launch_env({}, default)["NCCL_DEBUG"] == "INFO" and "ACME_LICENSE" not in launch_env({}, default)
+    own = compose_cfg(["+chip=cpu", "launch.env_prefixes=[ACME_]"])
+    assert launch_env({}, trial.resolve(own).launch_section()) == {"ACME_LICENSE": "k"}
+    assert launch_env({}, own.launch) == {"ACME_LICENSE": "k"}
+    for foreign in (None, "local"):  # an application without a launch section, or with another key
+        assert launch_env({"HCCL_BUFFSIZE": "200"}, foreign) == {"HCCL_BUFFSIZE": "200"}
 
 
 @pytest.mark.parametrize(

@@ -222,3 +222,48 @@ def test_torchair_is_used_only_when_named():
     if "torchair" not in sys.modules:
         with pytest.raises(ImportError):
             runtime.compile_backend("npu", "torchair")
+
+
+def _chip(preset: str, **kw):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.merge(chips.load_preset(preset), kw)
+
+
+def test_nccl_s_buffer_is_set_in_bytes_on_an_nccl_chip_and_nowhere_else():
+    """comm.nccl_buffsize_mb is MiB per channel and peer; NCCL_BUFFSIZE takes bytes. An HCCL chip
+    takes comm.buffsize_mb (HCCL_BUFFSIZE, MB per communicator) and no NCCL variable; a chip whose
+    backend is set to gloo gets neither."""
+    rt = chips.runtime(_chip("h100_sxm"), _comm(nccl_buffsize_mb=8, buffsize_mb=300), "bf16")
+    assert rt.backend == "nccl" and rt.env["NCCL_BUFFSIZE"] == str(8 * 1024 * 1024)
+    assert "HCCL_BUFFSIZE" not in rt.env
+    rt = chips.runtime(_chip("ascend910b3"), _comm(nccl_buffsize_mb=8, buffsize_mb=300), "bf16")
+    assert rt.backend == "hccl" and rt.env["HCCL_BUFFSIZE"] == "300" and "NCCL_BUFFSIZE" not in rt.env
+    rt = chips.runtime(_chip("h100_sxm", dist_backend="gloo"), _comm(nccl_buffsize_mb=8), "bf16")
+    assert rt.backend == "gloo" and not {"NCCL_BUFFSIZE", "HCCL_BUFFSIZE"} & set(rt.env)
+
+
+def test_the_exec_timeout_step_rounds_hccl_s_exec_timeout_down_to_its_multiples():
+    """chip.exec_timeout_step_s: the 910A takes HCCL_EXEC_TIMEOUT in steps of 68 s; without a
+    step (A2/A3) it is whole seconds, just under the collective timeout."""
+    stepped = int(
+        chips.runtime(_chip("ascend910b3", exec_timeout_step_s=68), _comm(timeout_s=600), "bf16").env[
+            "HCCL_EXEC_TIMEOUT"
+        ]
+    )
+    plain = int(
+        chips.runtime(_chip("ascend910b3", exec_timeout_step_s=0), _comm(timeout_s=600), "bf16").env[
+            "HCCL_EXEC_TIMEOUT"
+        ]
+    )
+    assert plain == int(600 - rules.exec_margin_s(600))
+    assert stepped % 68 == 0 and plain - 68 < stepped <= plain
+
+
+def test_mfu_s_peak_is_the_chip_s_for_the_compute_dtype_else_fp32_and_none_when_unknown():
+    chip = _chip("a100_80gb", peak_tflops={"fp32": 7.0})  # the A100 lists no fp8 figure
+    assert "fp8" not in chip.peak_tflops
+    assert chips.runtime(chip, _comm(), "fp32").peak_flops == 7.0e12
+    assert chips.runtime(chip, _comm(), "fp8").peak_flops == 7.0e12  # none of its own: fp32's
+    assert chips.runtime(chip, _comm(), "bf16").peak_flops == chip.peak_tflops.bf16 * 1e12
+    assert chips.runtime(_chip("a100_80gb", peak_known=False), _comm(), "bf16").peak_flops == 0.0

@@ -495,6 +495,21 @@ def test_step_time_terms():
     assert pp.compute_s == pytest.approx(16 * flops / 4 / (4 * 313e12) / (1 - 3 / 19))
 
 
+def test_the_link_figures_are_the_planner_s_own_and_time_a_group_by_where_it_runs():
+    """chip.intra_node_gbps and chip.inter_node_gbps are planner-only (no run reads them): a DP
+    group inside a node is timed at the first, one across nodes at the second, and only so."""
+    m = ModelShape.of(preset("model", "llama2_7b"))
+    prec, pl, base = precision(compute_dtype="bf16"), planner_cfg(dp_overlap=0.0), preset("chip", "ascend910b")
+
+    def dp_comm(chip, dp):
+        return planner.step_parts(m, ParallelShape(dp, 1, 1, 1, 1, 4096), prec, DEFAULTS.comm, chip, pl).dp_comm_s
+
+    for key, inside, across in (("intra_node_gbps", 8, 16), ("inter_node_gbps", 16, 8)):
+        slow = OmegaConf.merge(base, {key: base[key] / 4})
+        assert dp_comm(slow, inside) == pytest.approx(4 * dp_comm(base, inside)), key
+        assert dp_comm(slow, across) == pytest.approx(dp_comm(base, across)), key
+
+
 def llama7b_on_910b(dp: int, tp: int, pp: int):
     c = OmegaConf.structured(Config)
     c.chip = preset("chip", "ascend910b")

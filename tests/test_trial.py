@@ -85,6 +85,11 @@ def test_cli_trains_and_mlflow_records_the_run(tmp_path):
     assert config.chip.name == "cpu" and config.trainer.steps == 30
 
 
+def test_the_chip_s_vendor_is_a_tag_of_the_run(compose_cfg):
+    assert trial.trial_tags(compose_cfg(["+chip=ascend910b"]))["chip.vendor"] == "huawei"
+    assert trial.trial_tags(compose_cfg(["+chip=cpu", "chip.vendor=acme"]))["chip.vendor"] == "acme"
+
+
 def test_emulated_chip_runs_on_cpu_and_is_tagged(compose_cfg, mlflow_uri):
     cfg, result = _run(compose_cfg, mlflow_uri, ["+chip=ascend910b", "chip.emulate=true", "parallel=dp2"])
     assert result["status"] == "finished"
