@@ -40,8 +40,7 @@ def busy():
 def main():
     from orchestrator import launch, trial
     from tests.conftest import composed
-    if {preload!r}:
-        launch.FORKSERVER_PRELOAD = tuple({preload!r})
+    launch.FORKSERVER_PRELOAD = tuple({preload!r})
     out = []
     for k in range({trials}):
         cfg = composed(["+chip=cpu", "parallel={preset}", "trainer=smoke", "trainer.steps=3",

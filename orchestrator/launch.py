@@ -16,8 +16,8 @@ from typing import Any, Dict, Optional
 # imports as it builds (DTensor for tensor and sequence parallelism, FSDP2, pipelining, DCP
 # checkpoints, with the torch._dynamo and sympy they pull in) and rank 0's reporter (MLflow's
 # client on its sqlalchemy store). A worker that forks with these loaded imports about 20 modules
-# instead of about 1200: on the 2-core CPU machine a gpt_tiny trial after the first in a driver
-# costs 1.8 CPU-seconds instead of 4.4 (bench/worker_start.py). torch_npu is not among them: its
+# instead of about 1200: on the 2-core CPU machine a dp2 gpt_tiny trial after the first in a
+# driver costs 1.57 CPU-seconds instead of 3.84 (bench/worker_start.py). torch_npu is not among them: its
 # import initialises the NPU runtime, which must happen in the worker. A name here that no longer
 # imports is skipped by the server without a word, so tests/test_cache.py imports each.
 FORKSERVER_PRELOAD = (

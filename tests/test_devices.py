@@ -246,16 +246,12 @@ def test_nccl_s_buffer_is_set_in_bytes_on_an_nccl_chip_and_nowhere_else():
 def test_the_exec_timeout_step_rounds_hccl_s_exec_timeout_down_to_its_multiples():
     """chip.exec_timeout_step_s: the 910A takes HCCL_EXEC_TIMEOUT in steps of 68 s; without a
     step (A2/A3) it is whole seconds, just under the collective timeout."""
-    stepped = int(
-        chips.runtime(_chip("ascend910b3", exec_timeout_step_s=68), _comm(timeout_s=600), "bf16").env[
-            "HCCL_EXEC_TIMEOUT"
-        ]
-    )
-    plain = int(
-        chips.runtime(_chip("ascend910b3", exec_timeout_step_s=0), _comm(timeout_s=600), "bf16").env[
-            "HCCL_EXEC_TIMEOUT"
-        ]
-    )
+
+    def exec_timeout(step_s: int) -> int:
+        chip = _chip("ascend910b3", exec_timeout_step_s=step_s)
+        return int(chips.runtime(chip, _comm(timeout_s=600), "bf16").env["HCCL_EXEC_TIMEOUT"])
+
+    stepped, plain = exec_timeout(68), exec_timeout(0)
     assert plain == int(600 - rules.exec_margin_s(600))
     assert stepped % 68 == 0 and plain - 68 < stepped <= plain
 
