@@ -175,8 +175,18 @@ def cli_in_process(args, cwd, monkeypatch, capfd, **env):
 
 
 def search_runs(uri: str, experiment: str = "orchestrator"):
+    """The runs of ``experiment`` at ``uri``; [] while a sqlite store is not there yet. A poll must
+    not make the store itself: MLflow's client creates and migrates a missing store's tables in
+    place, without a lock, and a sweep starting at that moment migrates the same file too, the two
+    losing rows between them (a parent run without its tags, seen in CI). The product seeds its
+    store whole (``mlflow_store.seed_sqlite_store``), so once the file exists it is complete."""
     import mlflow
 
+    from orchestrator import mlflow_store
+
+    path = mlflow_store.sqlite_file(uri)
+    if path is not None and not path.exists():
+        return []
     mlflow.set_tracking_uri(uri)
     exp = mlflow.get_experiment_by_name(experiment)
     if exp is None:
