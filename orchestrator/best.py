@@ -155,7 +155,7 @@ def experiment_yaml(uri: str, best: Dict[str, Any], stem: str) -> str:
     return head + OmegaConf.to_yaml(body)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _parser() -> Any:
     ap = cli.parser("orchestrator.best", __doc__.split("\n\n")[0])
     cli.add_tracking_args(ap)
     ap.add_argument("--objective", default="step_time_median_s", help="any metric the runs log")
@@ -170,7 +170,41 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")
     cli.add_json_arg(ap, "the best")
     ap.add_argument("--write", metavar="PATH", help="save the best config as a Hydra config (DIR/experiment/NAME.yaml)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _print_best(uri: str, args: Any, ranked: Dict[str, Any], best: Dict[str, Any]) -> None:
+    """The ranked table, the best run and the command that reproduces it, as text."""
+    cands = ranked["candidates"]
+    n_div = sum(e["reason"].startswith("diverged") for e in ranked["excluded"])
+    print(
+        f"{len(cands)} config(s) from {ranked['considered']} {args.status} run(s) in experiment "
+        f"{args.experiment}, by {args.objective} ({args.direction}); {n_div} diverged run(s) left out"
+    )
+    print(table(uri, args.objective, cands, args.top))
+    print(
+        f"\nbest: run {best['run_id']}, {args.objective}={fmt(best['value'])} "
+        f"(median of {len(best['runs'])} run(s)), final_loss={fmt(best['final_loss'])}"
+    )
+    print(best["command"])
+
+
+def _write(uri: str, best: Dict[str, Any], path: Path, to_stderr: bool) -> None:
+    """Save the best config as a Hydra experiment config and say how to run it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(experiment_yaml(uri, best, path.stem))
+    best["written"] = str(path)
+    hint = (
+        f"python -m orchestrator --config-dir {path.parent.parent} +experiment={path.stem}"
+        if path.parent.name == "experiment"
+        else f"(Hydra loads +experiment={path.stem} from a folder named experiment/: "
+        f"write it to DIR/experiment/{path.stem}.yaml)"
+    )
+    print(f"wrote {path}; run it: {hint}", file=sys.stderr if to_stderr else sys.stdout)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parser().parse_args(argv)
     if args.top < 1:
         return cli.bad_input(f"--top={args.top}: must be positive")
     why = cli.check_filter(args.filter)
@@ -189,35 +223,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             [f"{e['run_id']}: {e['reason']}" for e in ranked["excluded"][:10]],
         )
     best = describe(uri, args.objective, args.direction, cands[0], args.experiment)
-    if args.write:
-        path = Path(args.write)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(experiment_yaml(uri, best, path.stem))
-        best["written"] = str(path)
     if args.json:
+        if args.write:
+            _write(uri, best, Path(args.write), to_stderr=True)
         best["excluded"] = ranked["excluded"]
         print(json.dumps(best, indent=1, default=str))
     else:
-        n_div = sum(e["reason"].startswith("diverged") for e in ranked["excluded"])
-        print(
-            f"{len(cands)} config(s) from {ranked['considered']} {args.status} run(s) in experiment "
-            f"{args.experiment}, by {args.objective} ({args.direction}); {n_div} diverged run(s) left out"
-        )
-        print(table(uri, args.objective, cands, args.top))
-        print(
-            f"\nbest: run {best['run_id']}, {args.objective}={fmt(best['value'])} "
-            f"(median of {len(best['runs'])} run(s)), final_loss={fmt(best['final_loss'])}"
-        )
-        print(best["command"])
-    if args.write:
-        path = Path(args.write)
-        hint = (
-            f"python -m orchestrator --config-dir {path.parent.parent} +experiment={path.stem}"
-            if path.parent.name == "experiment"
-            else f"(Hydra loads +experiment={path.stem} from a folder named experiment/: "
-            f"write it to DIR/experiment/{path.stem}.yaml)"
-        )
-        print(f"wrote {path}; run it: {hint}", file=sys.stderr if args.json else sys.stdout)
+        _print_best(uri, args, ranked, best)
+        if args.write:
+            _write(uri, best, Path(args.write), to_stderr=False)
     return 0
 
 

@@ -24,7 +24,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -105,6 +105,57 @@ def tokenizer_record(prefix: str) -> Optional[dict]:
         return None
 
 
+def _inspect(prefix: str) -> Dict[str, Any]:
+    """What the indexed corpus at ``prefix`` holds, and the tokenizer it was written with."""
+    from trainers import indexed
+
+    ix = indexed.IndexedTokens(prefix)
+    info = {
+        "prefix": prefix,
+        "dtype": ix.dtype.name,
+        "documents": ix.n_documents,
+        "sequences": len(ix.lengths),
+        "tokens": ix.n_tokens,
+        "max_token": ix.max_token(),
+    }
+    record = tokenizer_record(prefix)
+    if record:
+        info.update(tokenizer=record["tokenizer"], vocab_size=record["vocab_size"])
+    return info
+
+
+def _write_corpus(args: argparse.Namespace) -> Dict[str, Any]:
+    """Tokenize ``args.input`` into the indexed corpus ``args.output_prefix`` (and its tokenizer
+    record beside it); its figures. A ValueError names the argument that cannot be honoured."""
+    from trainers import indexed
+
+    if not args.input or not args.output_prefix:
+        raise ValueError("--input and --output-prefix: give both (or --inspect PREFIX)")
+    missing = [str(p) for p in args.input if not p.is_file()]
+    if missing:
+        raise ValueError(f"--input {missing[0]}: no such file")
+    if args.tokenizer == "bytes":
+        if args.append_eod:
+            raise ValueError("--append-eod: the bytes tokenizer has no end-of-document id")
+        dtype, vocab, name = np.uint16, 256, "bytes"
+        docs = [encode_bytes(t) for t in documents(args.input, args.json_key)]
+    else:
+        tok = HFTokenizer(args.tokenizer, args.eod_token)
+        dtype, vocab, name = tok.dtype, tok.vocab_size, tok.path
+        docs = [tok.encode(t, args.append_eod) for t in documents(args.input, args.json_key)]
+    Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
+    n = indexed.write(args.output_prefix, docs, dtype)
+    Path(f"{args.output_prefix}.tokenizer.json").write_text(json.dumps({"tokenizer": name, "vocab_size": vocab}))
+    return {
+        "prefix": args.output_prefix,
+        "dtype": np.dtype(dtype).name,
+        "documents": n,
+        "tokens": int(sum(len(d) for d in docs)),
+        "tokenizer": name,
+        "vocab_size": vocab,
+    }
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m orchestrator.data", description=__doc__.split("\n\n")[0])
     ap.add_argument("--input", nargs="+", type=Path, help="text or JSONL files")
@@ -116,49 +167,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--inspect", metavar="PREFIX", help="print what an indexed corpus holds")
     cli.add_json_arg(ap, "the corpus's figures")
     args = ap.parse_args(argv)
-    from trainers import indexed
-
     try:
-        if args.inspect:
-            ix = indexed.IndexedTokens(args.inspect)
-            info = {
-                "prefix": args.inspect,
-                "dtype": ix.dtype.name,
-                "documents": ix.n_documents,
-                "sequences": len(ix.lengths),
-                "tokens": ix.n_tokens,
-                "max_token": ix.max_token(),
-            }
-            record = tokenizer_record(args.inspect)
-            if record:
-                info.update(tokenizer=record["tokenizer"], vocab_size=record["vocab_size"])
-        else:
-            if not args.input or not args.output_prefix:
-                raise ValueError("--input and --output-prefix: give both (or --inspect PREFIX)")
-            missing = [str(p) for p in args.input if not p.is_file()]
-            if missing:
-                raise ValueError(f"--input {missing[0]}: no such file")
-            if args.tokenizer == "bytes":
-                if args.append_eod:
-                    raise ValueError("--append-eod: the bytes tokenizer has no end-of-document id")
-                dtype, vocab, name = np.uint16, 256, "bytes"
-                docs = [encode_bytes(t) for t in documents(args.input, args.json_key)]
-            else:
-                tok = HFTokenizer(args.tokenizer, args.eod_token)
-                dtype, vocab, name = tok.dtype, tok.vocab_size, tok.path
-                docs = [tok.encode(t, args.append_eod) for t in documents(args.input, args.json_key)]
-            Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
-            n = indexed.write(args.output_prefix, docs, dtype)
-            record = {"tokenizer": name, "vocab_size": vocab}
-            Path(f"{args.output_prefix}.tokenizer.json").write_text(json.dumps(record))
-            info = {
-                "prefix": args.output_prefix,
-                "dtype": np.dtype(dtype).name,
-                "documents": n,
-                "tokens": int(sum(len(d) for d in docs)),
-                "tokenizer": name,
-                "vocab_size": vocab,
-            }
+        info = _inspect(args.inspect) if args.inspect else _write_corpus(args)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

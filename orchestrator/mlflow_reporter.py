@@ -14,15 +14,13 @@ import time
 from collections import deque
 from typing import Any, Deque, Dict, List, Optional
 
+from orchestrator import mlflow_calls
 from orchestrator.mlflow_journal import Journal, journal_head
 from orchestrator.mlflow_store import BACKOFF_S, client, first_line, transient
+from trainers.report import ROW_TIME
 
 log = logging.getLogger("orchestrator")
 
-# a step row's wall-clock time (seconds since the epoch, when the step ended): the timestamp of
-# its metrics, never a metric itself (keys starting with "_" are not metrics; trainers/report.py)
-ROW_TIME = "_time"
-MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit (mlflow.utils.validation.MAX_METRICS_PER_BATCH)
 FINISH_TIMEOUT_S = 60.0  # rank 0 waits this long at the end for the store to take what is queued
 LEFTOVER_TIMEOUT_S = 30.0  # the driver's own try with what a worker left undelivered
 # a worker's MLflow HTTP client fails fast and leaves retrying to the reporter: by default it
@@ -30,19 +28,6 @@ LEFTOVER_TIMEOUT_S = 30.0  # the driver's own try with what a worker left undeli
 # MLFLOW_HTTP_REQUEST_TIMEOUT in mlflow/environment_variables.py, read per request by
 # mlflow.utils.rest_utils.http_request); set only in worker processes, and never over a user's
 WORKER_HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-
-
-def _row_metrics(row: Dict[str, Any], fallback_ms: int) -> List[Any]:
-    from mlflow.entities import Metric
-
-    t = row.get(ROW_TIME)
-    ts = int(float(t) * 1000) if isinstance(t, (int, float)) else fallback_ms
-    step = int(row["step"])
-    return [
-        Metric(k, float(v), ts, step)
-        for k, v in row.items()
-        if k != "step" and not k.startswith("_") and isinstance(v, (int, float))
-    ]
 
 
 class MlflowReporter:
@@ -309,25 +294,11 @@ class MlflowReporter:
             log.debug("run %s: the store did not answer yet (%s)", self.run_id, first_line(err))
 
     def _deliver(self, batch: List[Dict[str, Any]]) -> None:
-        from mlflow.entities import Metric, RunTag
-
         c = self._mlflow()
-        op = batch[0]
-        if op["op"] == "rows":
+        if batch[0]["op"] == "rows":
             self._deliver_rows(c, [r for o in batch for r in o["rows"]])
-        elif op["op"] == "tags":
-            c.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in op["tags"].items()])
-        elif op["op"] == "text":
-            c.log_text(self.run_id, op["text"], op["path"])
-        elif op["op"] == "metrics":
-            metrics = [Metric(k, float(v), op["time"], 0) for k, v in op["values"].items()]
-            for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-                c.log_batch(self.run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
-        elif op["op"] == "artifact":
-            if not os.path.exists(op["path"]):
-                log.warning("run %s: artifact %s is gone; not logged", self.run_id, op["path"])
-                return
-            c.log_artifact(self.run_id, op["path"], op["folder"] or None)
+        else:
+            mlflow_calls.deliver_op(c, self.run_id, batch[0])
 
     def _deliver_rows(self, c: Any, rows: List[Dict[str, Any]]) -> None:
         """Rows in step order, each step once: none at or below the highest step of ``loss`` in the
@@ -341,25 +312,11 @@ class MlflowReporter:
             if int(r["step"]) > top:
                 kept.append(r)
                 top = int(r["step"])
-        now = int(time.time() * 1000)
-        chunk: List[Any] = []
-        rows_in_chunk, last = 0, -1
-
-        def send() -> None:
-            for j in range(0, len(chunk), MAX_METRICS_PER_BATCH):  # one row above the limit: split
-                c.log_batch(self.run_id, metrics=chunk[j : j + MAX_METRICS_PER_BATCH])
+        for metrics, n_rows, last in mlflow_calls.row_batches(kept, int(time.time() * 1000)):
+            for j in range(0, len(metrics), mlflow_calls.MAX_METRICS_PER_BATCH):  # one row above the limit
+                c.log_batch(self.run_id, metrics=metrics[j : j + mlflow_calls.MAX_METRICS_PER_BATCH])
             self._logged_up_to = last
-            self.rows_delivered += rows_in_chunk
-
-        for r in kept:
-            metrics = _row_metrics(r, now)
-            if chunk and len(chunk) + len(metrics) > MAX_METRICS_PER_BATCH:
-                send()
-                chunk, rows_in_chunk = [], 0
-            chunk.extend(metrics)
-            rows_in_chunk, last = rows_in_chunk + 1, int(r["step"])
-        if chunk:
-            send()
+            self.rows_delivered += n_rows
 
     # -- the journal (orchestrator/mlflow_journal.py), under the lock
 

@@ -180,20 +180,7 @@ def launch_trial(
             except Exception as err:
                 if not attempt_failed(err):
                     raise
-                reason = failure_reason(err)
-                status = classify(reason)
-                placed = err.placed if pool else ray.get(run.roster.nodes.remote(attempt))
-            _tag_nodes(reporter, placed)
-            lost = lost_nodes(placed)
-            if lost:
-                status, reason = "node_lost", f"lost node {', '.join(lost)}: {reason}"
-            if attempt == max_failures:
-                raise TrialFailed(status, reason)
-            try:
-                placement.units(world_size, live_totals(placement.resource))
-            except TrialFailed as no_room:
-                raise TrialFailed(status, f"{reason}; not restarted: {no_room.reason}") from None
-            log.warning("trial attempt %d ended %s (%s): restarting", attempt, status, reason)
+                run.fail_or_restart(err, attempt, max_failures)
         raise AssertionError("unreachable")
 
 
@@ -213,6 +200,27 @@ class _Attempts:
     pool: Any
     roster: Any
     name: str
+
+    def fail_or_restart(self, err: BaseException, attempt: int, max_failures: int) -> None:
+        """After attempt ``attempt`` failed with ``err``: raise TrialFailed (its status and reason;
+        ``node_lost`` naming the lost nodes) when it was the last one or the nodes still alive
+        cannot hold the group; else return, and the group is started again."""
+        import ray
+
+        reason = failure_reason(err)
+        status = classify(reason)
+        placed = err.placed if self.pool else ray.get(self.roster.nodes.remote(attempt))
+        _tag_nodes(self.reporter, placed)
+        lost = lost_nodes(placed)
+        if lost:
+            status, reason = "node_lost", f"lost node {', '.join(lost)}: {reason}"
+        if attempt == max_failures:
+            raise TrialFailed(status, reason)
+        try:
+            self.placement.units(self.world_size, live_totals(self.placement.resource))
+        except TrialFailed as no_room:
+            raise TrialFailed(status, f"{reason}; not restarted: {no_room.reason}") from None
+        log.warning("trial attempt %d ended %s (%s): restarting", attempt, status, reason)
 
     def attempt(self, attempt: int, max_failures: int) -> Tuple[Dict[str, Any], Dict[int, Tuple[str, str]]]:
         """One attempt: rank 0's summary and where each rank ran."""

@@ -36,7 +36,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -76,8 +76,11 @@ def _entry_row(e: Entry, chosen: Optional[Entry], stop: str) -> Dict[str, Any]:
     }
 
 
-def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
-    """The ``auto`` sweeper's ``sweep()``: plan, then (unless a dry run) measure and polish."""
+def _prepare(
+    sweeper: Any, arguments: List[str]
+) -> Tuple[AutoSpec, DictConfig, int, _Planned, int, Optional[Dict[str, Any]]]:
+    """The study's spec, the composed config, the devices, the plan, the batch and the sweep, or
+    one error line and exit 2 (nothing launched) when any of them cannot be had."""
     from sweeps.ovat import StudyError
 
     spec = {k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v) for k, v in sweeper.spec.items()}
@@ -86,7 +89,11 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
         auto = parse(spec)
     except StudyError as err:
         _fail_study(err.errors, info)
-    cfg = _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, list(arguments)))
+
+    def compose(overrides: List[str]) -> DictConfig:
+        return _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, overrides))
+
+    cfg = compose(list(arguments))
     why = fill(cfg)
     if why:
         _fail_study([why], info)
@@ -96,10 +103,15 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
     # basic one in turn), at least two so each refit has something new
     dpn = int(cfg.chip.devices_per_node)
     batch = auto.batch or max(2, max(1, int(cfg.launch.nnodes)) * dpn // devices)
-    bad = polish.check(lambda o: _plain(sweeper.hydra_context.config_loader.load_sweep_config(sweeper.config, o)),
-                       list(arguments), auto.polish)  # fmt: skip
+    bad = polish.check(compose, list(arguments), auto.polish)
     if bad:
         _fail_study(bad, info)
+    return auto, cfg, devices, plan, batch, info
+
+
+def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
+    """The ``auto`` sweeper's ``sweep()``: plan, then (unless a dry run) measure and polish."""
+    auto, cfg, devices, plan, batch, info = _prepare(sweeper, arguments)
     if auto.dry_run:
         _print_dry_run(plan, cfg, auto, batch)
         if info is not None:

@@ -14,7 +14,8 @@ import pytest
 
 from orchestrator import planner
 from orchestrator.planner import search
-from orchestrator.planner.space import FastPlanner, candidate_config, memory_reason, reason_key, sample
+from orchestrator.planner.fast_plan import FastPlanner
+from orchestrator.planner.space import candidate_config, memory_reason, reason_key, sample
 from tests.conftest import ROOT, cli_env
 
 LLAMA7_8 = (["+chip=ascend910b", "model=llama2_7b", "parallel.microbatches=16"], 8)

@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from orchestrator import mlflow_journal, mlflow_reporter, mlflow_store, mlflow_ui, report_render, tracking, trial
 from orchestrator.launch import free_port
 from tests.conftest import ROOT, TableRunner, cli_in_process, metric_history, search_runs
+from trainers.report import ROW_TIME
 
 SMOKE = ["+chip=cpu", "trainer=smoke", "data.num_workers=0"]
 
@@ -30,7 +31,7 @@ def _run(uri: str) -> str:
 
 
 def _rows(steps, t0: float, loss0: float = 5.0):
-    return [{"step": s, "loss": loss0 - 0.1 * s, "lr": 1e-3, mlflow_reporter.ROW_TIME: t0 + s} for s in steps]
+    return [{"step": s, "loss": loss0 - 0.1 * s, "lr": 1e-3, ROW_TIME: t0 + s} for s in steps]
 
 
 def _dead_uri() -> str:
@@ -130,7 +131,7 @@ def test_each_step_s_metrics_carry_the_time_that_step_ended(mlflow_uri, tmp_path
     assert [m.timestamp for m in loss] == [int((t0 + s) * 1000) for s in range(6)]
     assert [m.timestamp for m in metric_history(mlflow_uri, run_id, "lr")] == [m.timestamp for m in loss]
     metrics = MlflowClient(mlflow_uri).get_run(run_id).data.metrics
-    assert mlflow_reporter.ROW_TIME not in metrics and metrics["final_loss"] == 4.5
+    assert ROW_TIME not in metrics and metrics["final_loss"] == 4.5
     assert not journal.exists()  # all delivered: the journal is gone
 
 

@@ -208,49 +208,64 @@ def analyse_spans(
             return Breakdown(wall_s or 0.0), []
         t0 = min(sp.start for sp in host)
         t1 = t0 + wall_s * 1e6 if wall_s else max(sp.end for sp in spans)
-    wall = (t1 - t0) / 1e6
-
-    def clip(s: float, e: float) -> Tuple[float, float]:
-        return (max(s, t0) - t0) / 1e6, (min(e, t1) - t0) / 1e6
-
     times: Dict[str, float] = defaultdict(float)
     calls: Dict[str, int] = defaultdict(int)
+    account = _device_ops if on_device else _host_ops
+    intervals = account(spans, t0, t1, times, calls)
+    return breakdown(intervals, (t1 - t0) / 1e6), top_rows(times, calls, is_comm_kernel if on_device else is_comm)
+
+
+def _clip(s: float, e: float, t0: float, t1: float) -> Tuple[float, float]:
+    """A span of microseconds as seconds into the window [t0, t1], cut to it."""
+    return (max(s, t0) - t0) / 1e6, (min(e, t1) - t0) / 1e6
+
+
+def _device_ops(
+    spans: Sequence[Span], t0: float, t1: float, times: Dict[str, float], calls: Dict[str, int]
+) -> List[Interval]:
+    """The device's kernels, memcpy and memset in the window, each counted once, on its own
+    event, any stream: their intervals, with ``times`` and ``calls`` added to per name."""
     intervals: List[Interval] = []
-    if on_device:
-        # kernels, memcpy and memset: each counted once, on its own event; any stream
-        for sp in spans:
-            if not sp.on_device:
-                continue
-            s, e = clip(sp.start, sp.end)
-            if e <= s:
-                continue
-            comm = is_comm_kernel(sp.name)
-            intervals.append((s, e, "comm" if comm else "compute"))
-            times[sp.name] += e - s
+    for sp in spans:
+        if not sp.on_device:
+            continue
+        s, e = _clip(sp.start, sp.end, t0, t1)
+        if e <= s:
+            continue
+        intervals.append((s, e, "comm" if is_comm_kernel(sp.name) else "compute"))
+        times[sp.name] += e - s
+        calls[sp.name] += 1
+    return intervals
+
+
+def _host_ops(
+    spans: Sequence[Span], t0: float, t1: float, times: Dict[str, float], calls: Dict[str, int]
+) -> List[Interval]:
+    """The host's ops in the window by self time: their intervals, with ``times`` and ``calls``
+    added to per name.
+
+    What a dp2 gloo DDP trace holds (torch 2.13, CPU): on the main thread, autograd's AccumulateGrad hook
+    runs `c10d::allreduce_` (tens of us: it only enqueues the bucket); the reduction itself is an async
+    `gloo:all_reduce` range on one of gloo's two `pt_gloo_runloop` threads, from the start of the work to
+    its completion (waiting on the peer included), while backward goes on: that is the overlap. At the
+    end of backward the main thread waits for the last buckets outside any op, so that gap is covered
+    by gloo's ranges only: exposed communication. No `record_param_comms` range is recorded on gloo.
+    Limit of a host view: a blocking wait inside an op's range is that op's self time, so it counts as
+    compute (e.g. DDP's bucket-rebuild broadcasts inside `DistributedDataParallel.forward` of its second
+    iteration), which overstates the overlap of that step.
+    """
+    host = [sp for sp in spans if not sp.on_device and sp.name != WINDOW_MARK]
+    for sp in host:
+        if sp.end > t0 and sp.start < t1:
             calls[sp.name] += 1
-        top = top_rows(times, calls, is_comm_kernel)
-    else:
-        # What a dp2 gloo DDP trace holds (torch 2.13, CPU): on the main thread, autograd's AccumulateGrad hook
-        # runs `c10d::allreduce_` (tens of us: it only enqueues the bucket); the reduction itself is an async
-        # `gloo:all_reduce` range on one of gloo's two `pt_gloo_runloop` threads, from the start of the work to
-        # its completion (waiting on the peer included), while backward goes on: that is the overlap. At the
-        # end of backward the main thread waits for the last buckets outside any op, so that gap is covered
-        # by gloo's ranges only: exposed communication. No `record_param_comms` range is recorded on gloo.
-        # Limit of a host view: a blocking wait inside an op's range is that op's self time, so it counts as
-        # compute (e.g. DDP's bucket-rebuild broadcasts inside `DistributedDataParallel.forward` of its second
-        # iteration), which overstates the overlap of that step.
-        host = [sp for sp in spans if not sp.on_device and sp.name != WINDOW_MARK]
-        for sp in host:
-            if sp.end > t0 and sp.start < t1:
-                calls[sp.name] += 1
-        for start, end, name in self_time_pieces(host):
-            s, e = clip(start, end)
-            if e <= s:
-                continue
-            intervals.append((s, e, "comm" if is_comm(name) else "compute"))
-            times[name] += e - s
-        top = top_rows(times, calls, is_comm)
-    return breakdown(intervals, wall), top
+    intervals: List[Interval] = []
+    for start, end, name in self_time_pieces(host):
+        s, e = _clip(start, end, t0, t1)
+        if e <= s:
+            continue
+        intervals.append((s, e, "comm" if is_comm(name) else "compute"))
+        times[name] += e - s
+    return intervals
 
 
 # ---------------------------------------------------------------------------------------------------------

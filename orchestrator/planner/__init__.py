@@ -10,7 +10,7 @@ One concern per module, each with its formulas and their sources in its docstrin
 - :mod:`.step_time`: step time: compute, pipeline bubble, DP/TP/PP communication (alpha-beta);
 - :mod:`.ops`: operator coverage against the chip's operator table, captured on meta tensors;
 - :mod:`.calibration`: the step-time factors fitted to measured trials in MLflow, and judged on
-  held-out ones;
+  held-out ones (the least squares themselves in :mod:`.factor_fit`);
 - :mod:`.preflight`: one layout planned as composed, the preflight report a trial is launched on;
 - :mod:`.search`: every point the trainer can run on N devices (layouts x batch split x schedule
   x checkpointing x sharding x sequence parallelism, :mod:`.space`), fastest first, with why

@@ -14,14 +14,13 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from omegaconf import DictConfig
 
+from orchestrator.planner.fast_plan import FastPlan, FastPlanner
 from orchestrator.planner.memory import MemoryPlan
 from orchestrator.planner.ops import OpCoverage, op_coverage
 from orchestrator.planner.preflight import LayoutPlan, resolved, with_model_overrides
 from orchestrator.planner.shapes import ModelShape, ParallelShape
 from orchestrator.planner.space import (
     Candidate,
-    FastPlan,
-    FastPlanner,
     Space,
     candidates,
     memory_line,
@@ -190,6 +189,24 @@ def points(base: DictConfig, devices: int, space: Space = Space()) -> Iterator[C
         yield from candidates(dp, tp, pp, int(base.trainer.global_batch), int(base.model.n_layers), space)
 
 
+def _exclude(
+    excluded: Dict[str, Excluded],
+    summary: LayoutSummary,
+    p: FastPlan,
+    lines: List[str],
+    reason: Optional[str] = None,
+) -> None:
+    """Count ``p`` out for each of ``lines`` (under ``reason``, else the line's own reason), in
+    the search's tally and its layout's, keeping a few examples of each reason."""
+    for line in lines:
+        key = reason or reason_key(line)
+        ex = excluded.setdefault(key, Excluded())
+        ex.count += 1
+        summary.reasons[key] = summary.reasons.get(key, 0) + 1
+        if len(ex.examples) < EXAMPLES:
+            ex.examples.append((p.candidate, line))
+
+
 def plan_space(
     cfg: DictConfig,
     devices: int,
@@ -214,26 +231,17 @@ def plan_space(
     by_layout: Dict[str, LayoutSummary] = {}
     count = 0
 
-    def exclude(p: FastPlan, lines: List[str], summary: LayoutSummary, reason: Optional[str] = None) -> None:
-        for line in lines:
-            key = reason or reason_key(line)
-            ex = excluded.setdefault(key, Excluded())
-            ex.count += 1
-            summary.reasons[key] = summary.reasons.get(key, 0) + 1
-            if len(ex.examples) < EXAMPLES:
-                ex.examples.append((p.candidate, line))
-
     for c in points(base, devices, space):
         count += 1
         summary = by_layout.setdefault(c.layout, LayoutSummary())
         summary.candidates += 1
         p = fast.plan(c)
         if p.errors:
-            exclude(p, p.errors, summary)
+            _exclude(excluded, summary, p, p.errors)
             continue
         assert p.memory is not None and p.model is not None and p.shape is not None
         if not p.memory.fits:
-            exclude(p, [memory_line(p.memory, chip)], summary, memory_reason(p.memory, chip))
+            _exclude(excluded, summary, p, [memory_line(p.memory, chip)], memory_reason(p.memory, chip))
             item = (-p.memory.total, count, p)  # the heap's root: the largest memory kept
             if len(near) < keep_closest:
                 heapq.heappush(near, item)

@@ -1,4 +1,4 @@
-"""The space the trainer can run on N devices, and a fast path that plans one point of it.
+"""The space the trainer can run on N devices: its points and the rules the search adds.
 
 A point (:class:`Candidate`) is a DP/TP/PP layout (:func:`orchestrator.planner.search.layouts`)
 with its batch arithmetic and memory knobs: ``trainer.micro_batch`` (without a pipeline, a
@@ -15,13 +15,8 @@ one are planned only as far as being counted under it (the search adds one rule 
 
 The slow path is the one every trial goes through: :func:`candidate_config` writes the point
 into a copy of the composed config, ``planning_errors`` validates it and ``plan_layout`` plans
-it. The fast path (:class:`FastPlanner`) gives the same lines and the same floats thousands of
-times faster: the config is turned once into plain dicts (:class:`Plain`, which the validator and
-the planner's formulas read as they read a DictConfig), each point is validated by the very
-``validate()`` on a shallow copy of it, and memory and step time are the formulas of
-:mod:`.memory` and :mod:`.step_time` composed as ``memory_plan`` and ``step_parts`` compose them,
-over per-rank parameter counts computed once per (layout, stages) instead of once per point.
-``tests/test_plan_search.py`` holds the two paths equal, line for line and float for float.
+it. The fast path (:mod:`.fast_plan`) gives the same lines and the same floats thousands of
+times faster; ``tests/test_plan_search.py`` holds the two paths equal.
 """
 
 from __future__ import annotations
@@ -29,27 +24,14 @@ from __future__ import annotations
 import copy
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Sequence, Tuple
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from orchestrator.layout import Layout
-from orchestrator.planner.activations import (
-    ActBytes,
-)
-from orchestrator.planner.memory import (
-    MemoryPlan,
-    ModelState,
-    communicator_bytes,
-    compose_memory_plan,
-    dp_buffer_bytes,
-    model_state,
-    state_bytes,
-)
-from orchestrator.planner.preflight import NOT_YET
-from orchestrator.planner.shapes import GiB, ModelShape, ParallelShape, rank_contents, rank_params
-from orchestrator.planner.step_time import HostCosts, StepEstimate, combine, step_parts
-from orchestrator.validate import SCHEDULES, validate
+from orchestrator.planner.memory import MemoryPlan
+from orchestrator.planner.shapes import GiB
+from orchestrator.validate import SCHEDULES
 from trainers import rules
 
 # ---------------------------------------------------------------------------------------------
@@ -188,7 +170,8 @@ def reason_key(line: str) -> str:
 # the slow path: one full config per point
 
 
-def _assign(cfg: Any, values: Dict[str, Any]) -> None:
+def assign(cfg: Any, values: Dict[str, Any]) -> None:
+    """Write ``section.key`` values into ``cfg`` (a DictConfig or a :class:`~.fast_plan.Plain`)."""
     for key, value in values.items():
         section, name = key.split(".")
         setattr(cfg[section], name, value)
@@ -197,169 +180,8 @@ def _assign(cfg: Any, values: Dict[str, Any]) -> None:
 def candidate_config(base: DictConfig, devices: int, c: Candidate) -> DictConfig:
     """``base`` (resolved, with the coverage's model overrides) with this point written in."""
     out = copy.deepcopy(base)
-    _assign(out, c.values(devices, int(base.chip.devices_per_node)))
+    assign(out, c.values(devices, int(base.chip.devices_per_node)))
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# the fast path
-
-
-class Plain(dict):
-    """A config section as a plain dict that reads like a DictConfig (``cfg.a.b``, ``cfg["a"]``,
-    ``cfg.get``): what the validator and the planner's formulas read, at dict speed."""
-
-    __slots__ = ()
-
-    def __getattr__(self, key: str) -> Any:
-        try:
-            return self[key]
-        except KeyError:
-            raise AttributeError(key) from None
-
-    def __setattr__(self, key: str, value: Any) -> None:
-        self[key] = value
-
-    @classmethod
-    def of(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            return cls({k: cls.of(v) for k, v in value.items()})
-        if isinstance(value, list):
-            return [cls.of(v) for v in value]
-        return value
-
-
-def plain(cfg: DictConfig) -> Plain:
-    return Plain.of(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
-
-
-@dataclass
-class FastPlan:
-    """One point planned: its validator/planner lines (empty: valid), and when valid its shape
-    and memory; the step time is filled only for what fits (:meth:`FastPlanner.step`)."""
-
-    candidate: Candidate
-    errors: List[str]
-    shape: Optional[ParallelShape] = None
-    model: Optional[ModelShape] = None
-    memory: Optional[MemoryPlan] = None
-    step: Optional[StepEstimate] = None
-
-
-class FastPlanner:
-    """Validates and plans points of one base config (resolved, the coverage's overrides applied)."""
-
-    def __init__(self, base: DictConfig, devices: int):
-        self.devices = devices
-        self.cfg = plain(base)
-        self.devices_per_node = int(self.cfg.chip.devices_per_node)
-        self.cfg.chip.emulate = True  # planned as emulated, as planning_errors plans it
-        self.models = {ck: ModelShape.of(dict(self.cfg.model, activation_checkpointing=ck)) for ck in (False, True)}
-        pr, cm, ch, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
-        self.pb, self.gb, _ = state_bytes(pr, pl)
-        self.act_bytes = {ck: ActBytes.of(pr, mm, str(ch.get("device_type", "cuda"))) for ck, mm in self.models.items()}
-        self.comm_bytes = communicator_bytes(ch.dist_backend, cm, pl)
-        self.host = HostCosts.of(pl)
-        self._contents: Dict[Tuple, Any] = {}
-        self._state: Dict[Tuple, ModelState] = {}
-        self._params: Dict[Tuple, int] = {}
-        self._dp_buf: Dict[Tuple, float] = {}
-
-    # -- validation ---------------------------------------------------------------------------
-
-    def point_config(self, c: Candidate) -> Plain:
-        """A shallow copy of the base with the point written in (the sections it sets copied)."""
-        out = Plain(self.cfg)
-        for section in ("parallel", "trainer", "model", "launch"):
-            out[section] = Plain(self.cfg[section])
-        _assign(out, c.values(self.devices, self.devices_per_node))
-        return out
-
-    def errors(self, cfg: Plain) -> List[str]:
-        """``planning_errors`` of the point: the chip emulated (set once in the base), on as many
-        nodes as its world needs (set by :meth:`Candidate.values`)."""
-        return [e for e in validate(cfg) if NOT_YET not in e]
-
-    # -- memory -------------------------------------------------------------------------------
-
-    def _rank(self, m: ModelShape, s: ParallelShape, rank: int):
-        key = (m.layers, s.pp, s.schedule, s.virtual_stages, rank)
-        rc = self._contents.get(key)
-        if rc is None:
-            rc = self._contents[key] = rank_contents(m, s, rank)
-        return rc
-
-    def _rank_state(self, m: ModelShape, s: ParallelShape, rank: int) -> ModelState:
-        key = (s.tp, s.pp, s.schedule, s.virtual_stages, s.fsdp, s.dp if s.fsdp else 0, rank)
-        st = self._state.get(key)
-        if st is None:
-            st = self._state[key] = model_state(m, s, self.cfg.precision, self.cfg.planner, rank)
-        return st
-
-    def _rank_params(self, m: ModelShape, s: ParallelShape, rc, rank: int) -> int:
-        key = (s.tp, s.pp, s.schedule, s.virtual_stages, rank)
-        n = self._params.get(key)
-        if n is None:
-            n = self._params[key] = rank_params(m, s, rc)
-        return n
-
-    def _dp_buffers(self, m: ModelShape, s: ParallelShape, n: int) -> float:
-        key = (s.dp > 1, s.fsdp, s.tp, n)
-        b = self._dp_buf.get(key)
-        if b is None:
-            b = self._dp_buf[key] = dp_buffer_bytes(m, s, self.cfg.comm, self.cfg.planner, n, self.pb, self.gb)
-        return b
-
-    def memory(self, m: ModelShape, s: ParallelShape) -> MemoryPlan:
-        """:func:`orchestrator.planner.memory.memory_plan`'s composition, over this planner's caches."""
-        return compose_memory_plan(
-            m,
-            s,
-            self.act_bytes[m.checkpointing],
-            self.cfg.chip,
-            self.cfg.planner,
-            self.comm_bytes,
-            contents=lambda rank: self._rank(m, s, rank),
-            state=lambda rank: self._rank_state(m, s, rank),
-            dp_buffers=lambda rc, rank: self._dp_buffers(m, s, self._rank_params(m, s, rc, rank)),
-        )
-
-    # -- step time ----------------------------------------------------------------------------
-
-    def step(self, m: ModelShape, s: ParallelShape) -> StepEstimate:
-        """:func:`orchestrator.planner.step_time.step_time`, with this planner's caches."""
-        pl = self.cfg.planner
-        parts = step_parts(
-            m,
-            s,
-            self.cfg.precision,
-            self.cfg.comm,
-            self.cfg.chip,
-            pl,
-            contents=lambda rank: self._rank(m, s, rank),
-            params=lambda rc, rank: self._rank_params(m, s, rc, rank),
-            host=self.host,
-        )
-        return combine(parts, float(pl.compute_efficiency), float(pl.comm_efficiency))
-
-    # -- one point ----------------------------------------------------------------------------
-
-    def plan(self, c: Candidate, with_step: bool = False) -> FastPlan:
-        """Rules first (the search's, then the validator's), then memory; the step time only when
-        asked (``with_step``) or later through :meth:`step`."""
-        lines = search_errors(c, self.models[False].layers)
-        if lines:
-            return FastPlan(c, lines)
-        cfg = self.point_config(c)
-        lines = self.errors(cfg)
-        if lines:
-            return FastPlan(c, lines)
-        m = self.models[bool(c.activation_checkpointing)]
-        s = ParallelShape.of(cfg.parallel, cfg.trainer, Layout(c.dp, c.tp, c.pp))
-        out = FastPlan(c, [], s, m, self.memory(m, s))
-        if with_step:
-            out.step = self.step(m, s)
-        return out
 
 
 def memory_reason(mem: MemoryPlan, chip: str) -> str:
@@ -386,15 +208,12 @@ def sample(items: Sequence[Any], k: int) -> List[Any]:
 
 __all__ = [
     "Candidate",
-    "FastPlan",
-    "FastPlanner",
-    "Plain",
     "Space",
+    "assign",
     "candidate_config",
     "candidates",
     "memory_line",
     "memory_reason",
-    "plain",
     "reason_key",
     "sample",
     "search_errors",

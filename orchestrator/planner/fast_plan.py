@@ -1,0 +1,188 @@
+"""The fast path that plans one point of the space (:mod:`.space`): the same lines and the same
+floats as the slow path (``candidate_config``, ``planning_errors``, ``plan_layout``) thousands of
+times faster. The config becomes plain dicts once (:class:`Plain`), each point is validated by the
+very ``validate()`` on a shallow copy, and memory and step time compose the formulas of
+:mod:`.memory` and :mod:`.step_time` over per-rank figures cached per (layout, stages).
+``tests/test_plan_search.py`` holds the two paths equal, line for line and float for float.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from orchestrator.layout import Layout
+from orchestrator.planner.activations import ActBytes
+from orchestrator.planner.memory import (
+    MemoryPlan,
+    ModelState,
+    communicator_bytes,
+    compose_memory_plan,
+    dp_buffer_bytes,
+    model_state,
+    state_bytes,
+)
+from orchestrator.planner.preflight import NOT_YET
+from orchestrator.planner.shapes import ModelShape, ParallelShape, rank_contents, rank_params
+from orchestrator.planner.space import Candidate, assign, search_errors
+from orchestrator.planner.step_time import HostCosts, StepEstimate, combine, step_parts
+from orchestrator.validate import validate
+
+
+class Plain(dict):
+    """A config section as a plain dict that reads like a DictConfig (``cfg.a.b``, ``cfg["a"]``,
+    ``cfg.get``): what the validator and the planner's formulas read, at dict speed."""
+
+    __slots__ = ()
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+    @classmethod
+    def of(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            return cls({k: cls.of(v) for k, v in value.items()})
+        if isinstance(value, list):
+            return [cls.of(v) for v in value]
+        return value
+
+
+def plain(cfg: DictConfig) -> Plain:
+    return Plain.of(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
+
+
+@dataclass
+class FastPlan:
+    """One point planned: its validator/planner lines (empty: valid), and when valid its shape
+    and memory; the step time is filled only for what fits (:meth:`FastPlanner.step`)."""
+
+    candidate: Candidate
+    errors: List[str]
+    shape: Optional[ParallelShape] = None
+    model: Optional[ModelShape] = None
+    memory: Optional[MemoryPlan] = None
+    step: Optional[StepEstimate] = None
+
+
+class FastPlanner:
+    """Validates and plans points of one base config (resolved, the coverage's overrides applied)."""
+
+    def __init__(self, base: DictConfig, devices: int):
+        self.devices = devices
+        self.cfg = plain(base)
+        self.devices_per_node = int(self.cfg.chip.devices_per_node)
+        self.cfg.chip.emulate = True  # planned as emulated, as planning_errors plans it
+        self.models = {ck: ModelShape.of(dict(self.cfg.model, activation_checkpointing=ck)) for ck in (False, True)}
+        pr, cm, ch, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
+        self.pb, self.gb, _ = state_bytes(pr, pl)
+        self.act_bytes = {ck: ActBytes.of(pr, mm, str(ch.get("device_type", "cuda"))) for ck, mm in self.models.items()}
+        self.comm_bytes = communicator_bytes(ch.dist_backend, cm, pl)
+        self.host = HostCosts.of(pl)
+        self._contents: Dict[Tuple, Any] = {}
+        self._state: Dict[Tuple, ModelState] = {}
+        self._params: Dict[Tuple, int] = {}
+        self._dp_buf: Dict[Tuple, float] = {}
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def point_config(self, c: Candidate) -> Plain:
+        """A shallow copy of the base with the point written in (the sections it sets copied)."""
+        out = Plain(self.cfg)
+        for section in ("parallel", "trainer", "model", "launch"):
+            out[section] = Plain(self.cfg[section])
+        assign(out, c.values(self.devices, self.devices_per_node))
+        return out
+
+    def errors(self, cfg: Plain) -> List[str]:
+        """``planning_errors`` of the point: the chip emulated (set once in the base), on as many
+        nodes as its world needs (set by :meth:`Candidate.values`)."""
+        return [e for e in validate(cfg) if NOT_YET not in e]
+
+    # -- memory -------------------------------------------------------------------------------
+
+    def _rank(self, m: ModelShape, s: ParallelShape, rank: int):
+        key = (m.layers, s.pp, s.schedule, s.virtual_stages, rank)
+        rc = self._contents.get(key)
+        if rc is None:
+            rc = self._contents[key] = rank_contents(m, s, rank)
+        return rc
+
+    def _rank_state(self, m: ModelShape, s: ParallelShape, rank: int) -> ModelState:
+        key = (s.tp, s.pp, s.schedule, s.virtual_stages, s.fsdp, s.dp if s.fsdp else 0, rank)
+        st = self._state.get(key)
+        if st is None:
+            st = self._state[key] = model_state(m, s, self.cfg.precision, self.cfg.planner, rank)
+        return st
+
+    def _rank_params(self, m: ModelShape, s: ParallelShape, rc, rank: int) -> int:
+        key = (s.tp, s.pp, s.schedule, s.virtual_stages, rank)
+        n = self._params.get(key)
+        if n is None:
+            n = self._params[key] = rank_params(m, s, rc)
+        return n
+
+    def _dp_buffers(self, m: ModelShape, s: ParallelShape, n: int) -> float:
+        key = (s.dp > 1, s.fsdp, s.tp, n)
+        b = self._dp_buf.get(key)
+        if b is None:
+            b = self._dp_buf[key] = dp_buffer_bytes(m, s, self.cfg.comm, self.cfg.planner, n, self.pb, self.gb)
+        return b
+
+    def memory(self, m: ModelShape, s: ParallelShape) -> MemoryPlan:
+        """:func:`orchestrator.planner.memory.memory_plan`'s composition, over this planner's caches."""
+        return compose_memory_plan(
+            m,
+            s,
+            self.act_bytes[m.checkpointing],
+            self.cfg.chip,
+            self.cfg.planner,
+            self.comm_bytes,
+            contents=lambda rank: self._rank(m, s, rank),
+            state=lambda rank: self._rank_state(m, s, rank),
+            dp_buffers=lambda rc, rank: self._dp_buffers(m, s, self._rank_params(m, s, rc, rank)),
+        )
+
+    # -- step time ----------------------------------------------------------------------------
+
+    def step(self, m: ModelShape, s: ParallelShape) -> StepEstimate:
+        """:func:`orchestrator.planner.step_time.step_time`, with this planner's caches."""
+        pl = self.cfg.planner
+        parts = step_parts(
+            m,
+            s,
+            self.cfg.precision,
+            self.cfg.comm,
+            self.cfg.chip,
+            pl,
+            contents=lambda rank: self._rank(m, s, rank),
+            params=lambda rc, rank: self._rank_params(m, s, rc, rank),
+            host=self.host,
+        )
+        return combine(parts, float(pl.compute_efficiency), float(pl.comm_efficiency))
+
+    # -- one point ----------------------------------------------------------------------------
+
+    def plan(self, c: Candidate, with_step: bool = False) -> FastPlan:
+        """Rules first (the search's, then the validator's), then memory; the step time only when
+        asked (``with_step``) or later through :meth:`step`."""
+        lines = search_errors(c, self.models[False].layers)
+        if lines:
+            return FastPlan(c, lines)
+        cfg = self.point_config(c)
+        lines = self.errors(cfg)
+        if lines:
+            return FastPlan(c, lines)
+        m = self.models[bool(c.activation_checkpointing)]
+        s = ParallelShape.of(cfg.parallel, cfg.trainer, Layout(c.dp, c.tp, c.pp))
+        out = FastPlan(c, [], s, m, self.memory(m, s))
+        if with_step:
+            out.step = self.step(m, s)
+        return out
