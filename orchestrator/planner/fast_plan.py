@@ -9,7 +9,7 @@ very ``validate()`` on a shallow copy, and memory and step time compose the form
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -72,6 +72,14 @@ class FastPlan:
     step: Optional[StepEstimate] = None
 
 
+def _memo(cache: Dict[Tuple, Any], key: Tuple, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` the first time."""
+    value = cache.get(key)
+    if value is None:
+        value = cache[key] = make()
+    return value
+
+
 class FastPlanner:
     """Validates and plans points of one base config (resolved, the coverage's overrides applied)."""
 
@@ -110,31 +118,20 @@ class FastPlanner:
 
     def _rank(self, m: ModelShape, s: ParallelShape, rank: int):
         key = (m.layers, s.pp, s.schedule, s.virtual_stages, rank)
-        rc = self._contents.get(key)
-        if rc is None:
-            rc = self._contents[key] = rank_contents(m, s, rank)
-        return rc
+        return _memo(self._contents, key, lambda: rank_contents(m, s, rank))
 
     def _rank_state(self, m: ModelShape, s: ParallelShape, rank: int) -> ModelState:
         key = (s.tp, s.pp, s.schedule, s.virtual_stages, s.fsdp, s.dp if s.fsdp else 0, rank)
-        st = self._state.get(key)
-        if st is None:
-            st = self._state[key] = model_state(m, s, self.cfg.precision, self.cfg.planner, rank)
-        return st
+        return _memo(self._state, key, lambda: model_state(m, s, self.cfg.precision, self.cfg.planner, rank))
 
     def _rank_params(self, m: ModelShape, s: ParallelShape, rc, rank: int) -> int:
         key = (s.tp, s.pp, s.schedule, s.virtual_stages, rank)
-        n = self._params.get(key)
-        if n is None:
-            n = self._params[key] = rank_params(m, s, rc)
-        return n
+        return _memo(self._params, key, lambda: rank_params(m, s, rc))
 
     def _dp_buffers(self, m: ModelShape, s: ParallelShape, n: int) -> float:
         key = (s.dp > 1, s.fsdp, s.tp, n)
-        b = self._dp_buf.get(key)
-        if b is None:
-            b = self._dp_buf[key] = dp_buffer_bytes(m, s, self.cfg.comm, self.cfg.planner, n, self.pb, self.gb)
-        return b
+        pl, cm = self.cfg.planner, self.cfg.comm
+        return _memo(self._dp_buf, key, lambda: dp_buffer_bytes(m, s, cm, pl, n, self.pb, self.gb))
 
     def memory(self, m: ModelShape, s: ParallelShape) -> MemoryPlan:
         """:func:`orchestrator.planner.memory.memory_plan`'s composition, over this planner's caches."""
