@@ -195,7 +195,7 @@ def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> RuntimeCo
     # communication-buffer size for the backend that will really run
     if chip.dist_backend == "hccl":
         env["HCCL_BUFFSIZE"] = str(comm.buffsize_mb)
-        connect, execute, pg_timeout = hccl_timeouts(timeout_s, int(chip.get("exec_timeout_step_s", 0)))
+        connect, execute, pg_timeout = hccl_timeouts(timeout_s, int(chip.exec_timeout_step_s))
         env["HCCL_CONNECT_TIMEOUT"], env["HCCL_EXEC_TIMEOUT"] = str(connect), str(execute)
         if not chip.emulate:
             timeout_s = pg_timeout
@@ -213,5 +213,5 @@ def runtime(chip: DictConfig, comm: DictConfig, compute_dtype: str) -> RuntimeCo
         timeout_s=timeout_s,
         # MFU against the emulated chip's peak would be meaningless on a CPU: leave it unknown,
         # and so would a generic preset's placeholder peak: unknown, not wrong
-        peak_flops=0.0 if chip.emulate or not chip.get("peak_known", True) else peak * 1e12,
+        peak_flops=0.0 if chip.emulate or not chip.peak_known else peak * 1e12,
     )

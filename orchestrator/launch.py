@@ -106,7 +106,7 @@ def start_workers_early(launch: Dict[str, Any]) -> str:
     on in its own process, beside the driver's work, and the first fork waits for them. It never
     touches a device, so a forked worker initialises CUDA or the NPU runtime as a fresh one.
     Calling it again (the launch itself does) finds the server running."""
-    method = launch.get("start_method", "forkserver")
+    method = launch["start_method"]
     if method == "forkserver":
         import multiprocessing
         from multiprocessing import forkserver
@@ -122,8 +122,8 @@ def launch_config(world_size: int, launch: Dict[str, Any], start_method: str) ->
     ``launch.max_failures`` times."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    host = launch.get("master_addr", "127.0.0.1")
-    port = int(launch.get("master_port") or 0) or free_port(host)
+    host = launch["master_addr"]
+    port = int(launch["master_port"] or 0) or free_port(host)
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -133,7 +133,7 @@ def launch_config(world_size: int, launch: Dict[str, Any], start_method: str) ->
         rdzv_backend="c10d",
         rdzv_endpoint=f"{host}:{port}",
         rdzv_configs={"timeout": 120},
-        max_restarts=int(launch.get("max_failures", 0)),
+        max_restarts=int(launch["max_failures"]),
         monitor_interval=0.2,
         start_method=start_method,
     )

@@ -61,9 +61,9 @@ def cluster(ray_cfg: Any, keep: bool = False, init: Optional[Dict[str, Any]] = N
     else:
         # "local": a new cluster, even where `ray start` left one running on this machine
         local = {
-            "num_cpus": ray_cfg.get("num_cpus"),
+            "num_cpus": ray_cfg["num_cpus"],
             "log_to_driver": True,
-            "include_dashboard": bool(ray_cfg.get("dashboard", True)),
+            "include_dashboard": bool(ray_cfg["dashboard"]),
             "dashboard_host": "127.0.0.1",
         }
         ray.init(address="local", **{**local, **extra})

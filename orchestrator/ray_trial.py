@@ -152,13 +152,13 @@ def launch_trial(
     gives it, resuming from the newest complete checkpoint; a restart is attempted only when the
     nodes still alive can hold the whole group (else it would wait for capacity forever). A
     failure that lost a node ends ``node_lost``, naming it."""
-    ray_cfg = launch.get("ray") or {}
-    max_failures = int(launch.get("max_failures", 0))
+    ray_cfg = launch["ray"]
+    max_failures = int(launch["max_failures"])
     with cluster(ray_cfg):
         import ray
 
         rt = spec.runtime
-        pool = slot.pool if slot is not None and ray_cfg.get("reuse_workers", True) else None
+        pool = slot.pool if slot is not None and ray_cfg["reuse_workers"] else None
         run = _Attempts(
             spec=spec,
             reporter=reporter,

@@ -191,7 +191,7 @@ DIVISORS = (
 
 
 def _kv_heads(m: DictConfig) -> int:
-    return m.n_heads if m.n_kv_heads in (-1, 0) else m.n_kv_heads
+    return rules.kv_heads(m.n_heads, m.n_kv_heads)
 
 
 def _value_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:

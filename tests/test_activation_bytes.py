@@ -13,6 +13,7 @@ SDPA's math path, which no accelerator kernel is)."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import weakref
 
@@ -94,7 +95,7 @@ def build(case: str, **extra):
     cast_params(model, pd)
     apply_op_policy(model, pargs)
     model.train()
-    shape = ModelShape.of({**base, **over, **extra})
+    shape = ModelShape.of(dataclasses.asdict(margs))  # the model the trainer built, every key
     return model, pargs, shape, ActBytes.of(pargs, shape, "cpu")
 
 

@@ -110,7 +110,7 @@ def test_workers_start_early_from_one_forkserver():
     assert start_workers_early({"start_method": "forkserver"}) == "forkserver"
     pid = forkserver._forkserver._forkserver_pid
     assert pid is not None and forkserver._forkserver._preload_modules == list(FORKSERVER_PRELOAD)
-    start_workers_early({})  # the launch's own call finds it running
+    start_workers_early({"start_method": "forkserver"})  # the launch's own call finds it running
     assert forkserver._forkserver._forkserver_pid == pid
     ctx = multiprocessing.get_context("forkserver")
     p = ctx.Process(target=int)

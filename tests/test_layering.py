@@ -18,6 +18,19 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+def _trainer_modules(path: Path) -> set[str]:
+    """The ``trainers`` modules ``path`` imports (``from trainers import rules``: trainers.rules)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "trainers":
+            out.update(f"trainers.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("trainers."):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("trainers."))
+    return out
+
+
 def test_trainers_import_no_control_plane_library():
     for path in (ROOT / "trainers").rglob("*.py"):
         bad = _imports(path) & {"ray", "hydra", "mlflow", "omegaconf", "orchestrator", "sweeps"}
@@ -38,6 +51,8 @@ ALLOWED_FROM_TRAINERS = {
     ("trainers.indexed", "IndexedError"),
     # a Hugging Face weights folder's headers (json and struct, no torch), checked before launch
     ("trainers.hf_layout", "check"),
+    # the key of a step row's wall-clock time, part of the one reporting interface (typing only)
+    ("trainers.report", "ROW_TIME"),
 }
 TORCH_FREE = ("trainers.config", "trainers.rules")
 
@@ -60,8 +75,10 @@ def test_the_schema_and_the_layout_rules_import_no_torch():
     for module in TORCH_FREE:
         path = ROOT / (module.replace(".", "/") + ".py")
         # the standard library's plain modules only (os, pathlib: trainers.config's cache folder)
-        allowed = {"__future__", "dataclasses", "typing", "os", "pathlib"}
+        allowed = {"__future__", "dataclasses", "typing", "os", "pathlib", "trainers"}
         assert _imports(path) <= allowed, (module, _imports(path))
+        # and from the trainer, only another of these (trainers.config reads the KV-heads rule)
+        assert _trainer_modules(path) <= set(TORCH_FREE), (module, _trainer_modules(path))
 
 
 def test_the_weights_headers_import_no_torch():

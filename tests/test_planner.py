@@ -6,6 +6,7 @@ Memory figures are in bytes here (the seed article's GB are 10**9 bytes); the pl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -19,6 +20,7 @@ from orchestrator.config import Config
 from orchestrator.planner import ModelShape, ParallelShape
 from orchestrator.planner import activations as pacts
 from tests.conftest import ROOT, cli_env
+from trainers.config import ModelConfig
 from trainers.ops import (
     FUSED_ATTENTION,
     FUSED_ATTENTION_BACKWARD,
@@ -73,7 +75,7 @@ def model(**kw) -> ModelShape:
         tie_embeddings=True,
         attn_impl="fused",
     )
-    return ModelShape.of({**base, **kw})
+    return ModelShape.of({**dataclasses.asdict(ModelConfig()), **base, **kw})  # the schema's keys, these values
 
 
 def states(mp) -> float:

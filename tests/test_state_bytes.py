@@ -22,6 +22,7 @@ for the rule (DDP replicates everything) that dp2 and dp4 already check, planned
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List
 
 import pytest
@@ -125,24 +126,7 @@ def test_planned_tensors_are_the_stage_modules_tensors(pp, schedule, v, tied):
     from trainers.parallel import make_stage
 
     args = ModelConfig(n_layers=4 if schedule == "1f1b" or pp < 4 else 8, tie_embeddings=tied)
-    body = {
-        k: getattr(args, k)
-        for k in (
-            "vocab_size",
-            "d_model",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "d_ff",
-            "max_seq_len",
-            "norm",
-            "mlp",
-            "pos_emb",
-            "tie_embeddings",
-            "attn_impl",
-        )
-    }
-    m = planner.ModelShape.of(body)
+    m = planner.ModelShape.of(dataclasses.asdict(args))
     s = planner.ParallelShape(1, 1, pp, 2 * pp, 1, 16, schedule=schedule, virtual_stages=v)
     n_stages = pp * rules.stages_per_rank(pp, schedule, v)
     for rank in range(pp):

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Type, TypeVar, get_type_hints
 
+from trainers import rules
+
 T = TypeVar("T")
 
 
@@ -66,7 +68,7 @@ class ModelConfig:
 
     @property
     def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads in (-1, 0, None) else self.n_kv_heads
+        return rules.kv_heads(self.n_heads, self.n_kv_heads)
 
     @property
     def head_dim(self) -> int:

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
 
+from trainers import rules
 from trainers.safetensors_format import SafetensorsError, entries
 
 _LAYER = {
@@ -46,7 +47,7 @@ def expected(m: Any) -> Dict[str, Tuple[int, ...]]:
     checkpoints omit it."""
     d, ff, v = int(m.d_model), int(m.d_ff), int(m.vocab_size)
     hd = d // int(m.n_heads)
-    kv = int(m.n_heads) if m.n_kv_heads in (-1, 0, None) else int(m.n_kv_heads)
+    kv = rules.kv_heads(m.n_heads, m.n_kv_heads)
     layer = {
         "attn_norm.weight": (d,),
         "attn.wq.weight": (int(m.n_heads) * hd, d),
@@ -97,7 +98,7 @@ def config_json(m: Any) -> Dict[str, Any]:
         "intermediate_size": int(m.d_ff),
         "num_attention_heads": heads,
         "num_hidden_layers": int(m.n_layers),
-        "num_key_value_heads": heads if m.n_kv_heads in (-1, 0, None) else int(m.n_kv_heads),
+        "num_key_value_heads": rules.kv_heads(heads, m.n_kv_heads),
         "head_dim": int(m.d_model) // heads,
         "max_position_embeddings": int(m.max_seq_len),
         "rms_norm_eps": float(m.norm_eps),

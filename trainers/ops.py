@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainers import rules
 from trainers.config import ModelConfig, from_dict
 from trainers.model import GPT, count_params, cross_entropy
 
@@ -225,8 +226,7 @@ def small_model(model: Dict[str, Any]) -> Dict[str, Any]:
     """The same structure (norm, MLP, positions, attention, GQA, tying) at toy sizes: the op set
     depends on the structure, and the probe must run on any device in seconds."""
     heads = 4
-    kv = model.get("n_kv_heads", -1)
-    grouped = kv not in (-1, 0, None) and kv < model.get("n_heads", heads)
+    grouped = rules.kv_heads(model["n_heads"], model["n_kv_heads"]) < model["n_heads"]
     return {
         **model,
         "vocab_size": 64,

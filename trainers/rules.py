@@ -40,6 +40,12 @@ class Layout:
         return f"dp{self.dp}tp{self.tp}pp{self.pp}"
 
 
+def kv_heads(n_heads: int, n_kv_heads: int | None) -> int:
+    """The key/value heads of attention: ``model.n_kv_heads``, or ``n_heads`` when it is unset
+    (-1, 0 or None); fewer than ``n_heads`` is grouped-query attention."""
+    return int(n_heads) if n_kv_heads in (-1, 0, None) else int(n_kv_heads)
+
+
 def dp_wrapping(dp: int, tp: int, dp_shard: str) -> str:
     """``none`` (one replica), ``ddp`` or ``fsdp``. With tensor parallelism the replicas are
     always FSDP2 over the TP shards (DDP does not take DTensor parameters); otherwise

@@ -91,7 +91,7 @@ class FastPlanner:
         self.models = {ck: ModelShape.of(dict(self.cfg.model, activation_checkpointing=ck)) for ck in (False, True)}
         pr, cm, ch, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
         self.pb, self.gb, _ = state_bytes(pr, pl)
-        self.act_bytes = {ck: ActBytes.of(pr, mm, str(ch.get("device_type", "cuda"))) for ck, mm in self.models.items()}
+        self.act_bytes = {ck: ActBytes.of(pr, mm, str(ch.device_type)) for ck, mm in self.models.items()}
         self.comm_bytes = communicator_bytes(ch.dist_backend, cm, pl)
         self.host = HostCosts.of(pl)
         self._contents: Dict[Tuple, Any] = {}

@@ -273,7 +273,7 @@ def memory_plan(
     return compose_memory_plan(
         m,
         s,
-        ActBytes.of(precision, m, str(chip.get("device_type", "cuda"))),
+        ActBytes.of(precision, m, str(chip.device_type)),
         chip,
         planner,
         communicator_bytes(chip.dist_backend, comm, planner),

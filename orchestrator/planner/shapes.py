@@ -53,22 +53,21 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: DictConfig | Dict[str, Any]) -> "ModelShape":
-        kv = model["n_kv_heads"] if model.get("n_kv_heads", -1) not in (-1, 0, None) else model["n_heads"]
         return cls(
             vocab=int(model["vocab_size"]),
             d=int(model["d_model"]),
             layers=int(model["n_layers"]),
             heads=int(model["n_heads"]),
-            kv_heads=int(kv),
+            kv_heads=rules.kv_heads(model["n_heads"], model["n_kv_heads"]),
             d_ff=int(model["d_ff"]),
             max_seq_len=int(model["max_seq_len"]),
-            swiglu=model.get("mlp", "gelu") == "swiglu",
-            layernorm=model.get("norm", "layernorm") == "layernorm",
-            learned_pos=model.get("pos_emb", "learned") == "learned",
-            tied=bool(model.get("tie_embeddings", True)),
-            fused_attention=model.get("attn_impl", "fused") in ("fused", "npu_fused"),
-            checkpointing=bool(model.get("activation_checkpointing", False)),
-            dropout=float(model.get("dropout", 0.0) or 0.0),
+            swiglu=model["mlp"] == "swiglu",
+            layernorm=model["norm"] == "layernorm",
+            learned_pos=model["pos_emb"] == "learned",
+            tied=bool(model["tie_embeddings"]),
+            fused_attention=model["attn_impl"] in ("fused", "npu_fused"),
+            checkpointing=bool(model["activation_checkpointing"]),
+            dropout=float(model["dropout"]),
         )
 
     @property

@@ -100,7 +100,7 @@ def _link(chip: DictConfig, ranks_spanned: int) -> float:
 
 
 def _overlap(comm: DictConfig) -> bool:
-    return bool(comm.get("overlap", True))
+    return bool(comm.overlap)
 
 
 def dp_traffic_bytes(
