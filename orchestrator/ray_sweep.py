@@ -99,11 +99,16 @@ def _pool(launcher: Any, wanted: bool) -> Optional[str]:
         return None
     name = getattr(launcher, "pool_name", None)
     if name is None:
+        import ray
+
         from orchestrator import ray_pool
 
         name = f"sweep-pool-{uuid.uuid4().hex[:12]}"
         # the handle held here keeps the actor (a named, non-detached one) alive between batches
         launcher.pool_actor = on_this_node(ray_pool.Pool, name=name, max_concurrency=64)
+        # started before the jobs go: a driver that ends while the actor still starts (every job
+        # skipped a finished point) aborts it inside Ray's worker teardown ("Fatal Python error")
+        ray.get(launcher.pool_actor.stats.remote())
         launcher.pool_name = name
     return name
 
