@@ -40,7 +40,7 @@ def report(uri: str, experiment: str) -> dict:
     return json.loads(results.artifact_text(uri, parent.info.run_id, "auto_report.json"))
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama_tiny")
     ap.add_argument("--devices", type=int, default=4)
@@ -53,48 +53,28 @@ def main() -> None:
     ap.add_argument("--space-sequence-parallel", default="false")
     ap.add_argument("--space-dp-shard", default="ddp,fsdp")
     ap.add_argument("--keep", help="work in this folder (default: a temporary one)")
-    args = ap.parse_args()
-    from orchestrator import results
+    return ap
 
-    work = Path(args.keep or tempfile.mkdtemp(prefix="auto_vs_grid_"))
-    work.mkdir(parents=True, exist_ok=True)
-    uri = "sqlite:///" + str(work / "mlruns.db")
-    base = [
-        "+chip=cpu",
-        f"model={args.model}",
-        f"trainer.steps={args.steps}",
-        f"trainer.global_batch={args.global_batch}",
-        "trainer.seq_len=64",
-        "data.num_workers=0",
-        f"launch.world_size={args.devices}",
-    ]
-    space = [
-        f"hydra.sweeper.space.schedules=[{args.space_schedules}]",
-        f"hydra.sweeper.space.activation_checkpointing=[{args.space_checkpointing}]",
-        f"hydra.sweeper.space.sequence_parallel=[{args.space_sequence_parallel}]",
-        f"hydra.sweeper.space.dp_shard=[{args.space_dp_shard}]",
-    ]
-    # the layout search alone on both sides: stage 3 (polish) is not part of the grid
-    search = ["+sweep=auto", *base, *space, "hydra.sweeper.polish_repeats=0"]
-    grid_wall = cli(
-        [*search, "tracking.experiment=grid", "hydra.sweeper.exhaustive=true", "hydra.sweeper.max_trials=1000"],
-        work,
-        work / "grid.log",
-    )
-    auto_wall = cli(
-        [*search, "tracking.experiment=auto", f"hydra.sweeper.max_trials={args.max_trials}"], work, work / "auto.log"
-    )
-    reports = {"grid": report(uri, "grid"), "auto": report(uri, "auto")}
-    walls = {"grid": grid_wall, "auto": auto_wall}
+
+def remeasure(reports: dict, count: int, work: Path, uri: str) -> dict:
+    """Both winners (the command each search's report gives) again, side by side: ``count``
+    interleaved runs of each, outside any sweep; {search: [step time of each run]}."""
+    from orchestrator import results
 
     winners = {k: r["command"].split(" -m orchestrator ", 1)[1].split() for k, r in reports.items()}
     measured = {k: [] for k in winners}
-    for i in range(args.remeasure):
+    for i in range(count):
         for name, overrides in winners.items():
             plain = [o for o in overrides if not o.startswith(("tracking.experiment=", "+sweep=", "hydra."))]
             cli([*plain, "tracking.experiment=remeasure"], work, work / f"remeasure_{name}_{i}.log")
             measured[name].append(results.search(uri, "remeasure")[0].data.metrics["step_time_median_s"])
+    return measured
 
+
+def print_comparison(args: argparse.Namespace, reports: dict, walls: dict, measured: dict, work: Path) -> None:
+    """The table (per search: trials, trial-seconds, wall time, best in the search and remeasured,
+    the planner's error and tau), then the auto search against the grid: its share of the
+    trial-seconds, its winner's remeasured step time and place among the grid's, its stop reason."""
     g = reports["grid"]
     print(
         f"{args.model} on {args.devices} CPU ranks, {args.steps} steps a trial; space: {g['points']} points, "
@@ -126,6 +106,42 @@ def main() -> None:
     print(f"auto's winner is number {place} of the grid's {len(grid_rank)} measured points (by the grid's own runs)")
     print(f"auto stopped: {reports['auto']['stop']}")
     print(f"work folder: {work}")
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    work = Path(args.keep or tempfile.mkdtemp(prefix="auto_vs_grid_"))
+    work.mkdir(parents=True, exist_ok=True)
+    uri = "sqlite:///" + str(work / "mlruns.db")
+    base = [
+        "+chip=cpu",
+        f"model={args.model}",
+        f"trainer.steps={args.steps}",
+        f"trainer.global_batch={args.global_batch}",
+        "trainer.seq_len=64",
+        "data.num_workers=0",
+        f"launch.world_size={args.devices}",
+    ]
+    space = [
+        f"hydra.sweeper.space.schedules=[{args.space_schedules}]",
+        f"hydra.sweeper.space.activation_checkpointing=[{args.space_checkpointing}]",
+        f"hydra.sweeper.space.sequence_parallel=[{args.space_sequence_parallel}]",
+        f"hydra.sweeper.space.dp_shard=[{args.space_dp_shard}]",
+    ]
+    # the layout search alone on both sides: stage 3 (polish) is not part of the grid
+    search = ["+sweep=auto", *base, *space, "hydra.sweeper.polish_repeats=0"]
+    grid_wall = cli(
+        [*search, "tracking.experiment=grid", "hydra.sweeper.exhaustive=true", "hydra.sweeper.max_trials=1000"],
+        work,
+        work / "grid.log",
+    )
+    auto_wall = cli(
+        [*search, "tracking.experiment=auto", f"hydra.sweeper.max_trials={args.max_trials}"], work, work / "auto.log"
+    )
+    reports = {"grid": report(uri, "grid"), "auto": report(uri, "auto")}
+    walls = {"grid": grid_wall, "auto": auto_wall}
+    measured = remeasure(reports, args.remeasure, work, uri)
+    print_comparison(args, reports, walls, measured, work)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
-import re
 import shlex
 import subprocess
 import sys
@@ -55,6 +54,11 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# the wheel tags the machine installs, and the names and error they share with this script
+from bench.wheel_tags import PLATFORMS, PYTHON, BundleError, normalize, parse_wheel, tag_ok  # noqa: E402
+
 LIMIT_BYTES = 64 * 2**20  # the working tree that travels, carried paths included (device README, Limits)
 
 # The lent machine's Python packages: /work/.library/device/KINDS.md, "Python packages already
@@ -94,24 +98,6 @@ xxhash yarl zipp
 ROOTS = ("hydra-core", "omegaconf")
 MLFLOW_FULL = ("mlflow",)
 MLFLOW_SKINNY = ("mlflow-skinny", "sqlalchemy", "alembic")  # the package, and its sqlite store's needs
-
-PYTHON = (3, 12)  # the machine's python3 is 3.12.3
-# torch 2.11+cu130 there needs glibc 2.28 itself, so manylinux_2_28 and older tags fit the machine;
-# pip matches each manylinux_2_N exactly, so the older ones are named one by one
-MAX_GLIBC = (2, 28)
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64"]
-PLATFORMS += ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64"]
-
-
-class BundleError(RuntimeError):
-    pass
-
-
-def normalize(name: str) -> str:
-    """PEP 503's normalised project name (``PyYAML`` and ``pyyaml``, ``typing_extensions`` and
-    ``typing-extensions`` are one project)."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
 
 MACHINE = frozenset(normalize(n) for n in MACHINE_PACKAGES)
 
@@ -183,47 +169,7 @@ def resolve(
     return dict(sorted(pins.items()))
 
 
-# --- wheel files -------------------------------------------------------------------------------
-
-WHEEL_RE = re.compile(
-    r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-(?P<build>\d[^-]*))?-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$"
-)
-
-
-def parse_wheel(filename: str) -> Tuple[str, str, List[Tuple[str, str, str]]]:
-    """(project, version, [(python, abi, platform) tags]) from a wheel's file name (PEP 427,
-    compressed tag sets such as ``py2.py3`` expanded)."""
-    m = WHEEL_RE.match(filename)
-    if not m:
-        raise BundleError(f"{filename}: not a wheel file name")
-    tags = [(p, a, pl) for p in m["py"].split(".") for a in m["abi"].split(".") for pl in m["plat"].split(".")]
-    return normalize(m["name"]), m["version"], tags
-
-
-def platform_ok(plat: str) -> bool:
-    if plat == "any":
-        return True
-    if plat in ("manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64"):
-        return True
-    m = re.fullmatch(r"manylinux_(\d+)_(\d+)_x86_64", plat)
-    return bool(m) and (int(m[1]), int(m[2])) <= MAX_GLIBC
-
-
-def tag_ok(py: str, abi: str, plat: str, python: Tuple[int, int] = PYTHON) -> bool:
-    """Whether the machine's CPython ``python`` on x86-64 manylinux installs a wheel of this tag:
-    ``cp312-cp312``, ``cp3N-abi3`` with N <= 12, or pure Python (``py3``/``py312``/``cp312``
-    with abi ``none``), on ``any`` or a manylinux x86-64 platform it has the glibc for."""
-    if not platform_ok(plat):
-        return False
-    cp = f"cp{python[0]}{python[1]}"
-    if abi == cp:
-        return py == cp
-    if abi == "abi3":
-        m = re.fullmatch(r"cp(\d)(\d+)", py)
-        return bool(m) and int(m[1]) == python[0] and int(m[2]) <= python[1]
-    if abi == "none":
-        return py in (f"py{python[0]}", f"py{python[0]}{python[1]}", cp)
-    return False
+# --- wheel files (their names and tags: bench/wheel_tags.py) -----------------------------------
 
 
 def check_wheels(folder: Path, pins: Dict[str, str], python: Tuple[int, int] = PYTHON) -> List[str]:

@@ -74,7 +74,7 @@ def winner_label(overrides):
     return " ".join(o for o in overrides if o.split("=")[0] in dict(VARIABLES))
 
 
-def main():
+def _parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, nargs="+", default=[2], help="OVAT repeats per point (several: each)")
@@ -82,18 +82,14 @@ def main():
     ap.add_argument("--remeasure", type=int, default=3, help="side-by-side runs of each winner")
     ap.add_argument("--measure", choices=("fixed", "adaptive"), default="fixed", help="trainer.measure, both searches")
     ap.add_argument("--keep", help="work in this folder (default: a temporary one); searches done there are reused")
-    args = ap.parse_args()
-    from orchestrator import best, results
-    from orchestrator import grid_report as report_mod
+    return ap
 
-    work = Path(args.keep or tempfile.mkdtemp(prefix="ovat_vs_grid_"))
-    work.mkdir(parents=True, exist_ok=True)
-    uri = "sqlite:///" + str(work / "mlruns.db")
-    base = ["+chip=cpu", "trainer=smoke", f"trainer.steps={args.steps}", "data.num_workers=0"]
-    base.append(f"trainer.measure={args.measure}")
+
+def run_searches(args, work, base):
+    """The grid, then each OVAT study, in ``work``; (the searches' wall times by name, the studies
+    as [(name, repeats)]). A search already finished there (its wall time in walls.json) is not
+    run again."""
     sweep_args = [f"{k}={v}" for k, v in VARIABLES]
-
-    # a search already finished in --keep's folder (its wall time in walls.json) is not run again
     walls_file = work / "walls.json"
     walls = json.loads(walls_file.read_text()) if walls_file.is_file() else {}
 
@@ -117,27 +113,27 @@ def main():
                 *sweep_args,
             ],
         )
+    return walls, studies
 
-    ranked = best.rank(uri, "grid", OBJECTIVE)
-    grid_best = best.describe(uri, OBJECTIVE, "minimize", ranked["candidates"][0], "grid")
-    reports = {}
-    for name, _ in studies:
-        parent = report_mod.find_parent(uri, name, None)
-        reports[name] = json.loads(results.artifact_text(uri, parent.info.run_id, "tuning_report.json"))
 
-    # every distinct winner again, side by side: interleaved runs, medians
-    winners = {winner_label(grid_best["overrides"]): grid_best["overrides"]}
-    for name, _ in studies:
-        final = reports[name]["final"]
-        overrides = [*base, *(f"{k}={v}" for k, v in final["assignment"].items())]
-        winners.setdefault(winner_label(overrides), overrides)
+def remeasure(winners, count, work, uri):
+    """Every distinct winner (label -> overrides) again, side by side: ``count`` interleaved runs
+    of each; {label: [objective of each run]}."""
+    from orchestrator import results
+
     measured = {k: [] for k in winners}
-    for i in range(args.remeasure):
+    for i in range(count):
         for j, (label, overrides) in enumerate(winners.items()):
             plain = [o for o in overrides if not o.startswith("tracking.experiment=")]
             cli([*plain, "tracking.experiment=remeasure"], work, work / f"remeasure_{j}_{i}.log")
             newest = results.search(uri, "remeasure")[0]
             measured[label].append(newest.data.metrics[OBJECTIVE])
+    return measured
+
+
+def print_comparison(args, uri, base, studies, walls, reports, grid_best, measured, work):
+    """The table: per search its trials, pruned points, trial-seconds, wall time, best objective
+    in the search and remeasured, against the grid's; then how many OVAT runs came within noise."""
     grid_label = winner_label(grid_best["overrides"])
     g_med = statistics.median(measured[grid_label])
     # one config's run-to-run noise: the spread of the grid winner's own remeasured runs
@@ -181,6 +177,35 @@ def main():
     for r in args.repeats:
         print(f"repeats {r}: {held[r]} of {args.runs} OVAT run(s) reached the grid's best within noise")
     print(f"work folder: {work}")
+
+
+def main():
+    args = _parser().parse_args()
+    from orchestrator import best, results
+    from orchestrator import grid_report as report_mod
+
+    work = Path(args.keep or tempfile.mkdtemp(prefix="ovat_vs_grid_"))
+    work.mkdir(parents=True, exist_ok=True)
+    uri = "sqlite:///" + str(work / "mlruns.db")
+    base = ["+chip=cpu", "trainer=smoke", f"trainer.steps={args.steps}", "data.num_workers=0"]
+    base.append(f"trainer.measure={args.measure}")
+    walls, studies = run_searches(args, work, base)
+
+    ranked = best.rank(uri, "grid", OBJECTIVE)
+    grid_best = best.describe(uri, OBJECTIVE, "minimize", ranked["candidates"][0], "grid")
+    reports = {}
+    for name, _ in studies:
+        parent = report_mod.find_parent(uri, name, None)
+        reports[name] = json.loads(results.artifact_text(uri, parent.info.run_id, "tuning_report.json"))
+
+    # every distinct winner again, side by side: interleaved runs, medians
+    winners = {winner_label(grid_best["overrides"]): grid_best["overrides"]}
+    for name, _ in studies:
+        final = reports[name]["final"]
+        overrides = [*base, *(f"{k}={v}" for k, v in final["assignment"].items())]
+        winners.setdefault(winner_label(overrides), overrides)
+    measured = remeasure(winners, args.remeasure, work, uri)
+    print_comparison(args, uri, base, studies, walls, reports, grid_best, measured, work)
 
 
 if __name__ == "__main__":

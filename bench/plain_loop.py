@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -62,6 +62,34 @@ def build(spec: TrialSpec, device: torch.device, compile: Optional[bool] = None)
         for block in model.layers.values():
             block.compile(backend=backend)
     return model
+
+
+def _time_steps(
+    step: Callable[[], None], steps: int, device: torch.device
+) -> Tuple[List[float], Optional[float], Optional[float]]:
+    """Run ``step`` ``steps`` times; (each step's time in s, the device's peak allocated and
+    reserved GB, both None on the CPU). On CUDA or an NPU each step is timed between two device
+    events and the host synchronises once, after the last, so no step waits on the host; on the
+    CPU each step is timed with ``perf_counter`` (the CPU runs the step before the call returns)."""
+    mod = _device_module(device)
+    times: List[float] = []
+    if mod is not None:
+        events = [(mod.Event(enable_timing=True), mod.Event(enable_timing=True)) for _ in range(steps)]
+        for start, end in events:
+            start.record()
+            step()
+            end.record()
+        mod.synchronize(device)
+        times = [start.elapsed_time(end) / 1e3 for start, end in events]
+        allocated = mod.max_memory_allocated(device) / 2**30
+        reserved = mod.max_memory_reserved(device) / 2**30
+    else:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        allocated = reserved = None
+    return times, allocated, reserved
 
 
 def plain_loop_stats(
@@ -105,23 +133,7 @@ def plain_loop_stats(
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    times: List[float] = []
-    if mod is not None:
-        events = [(mod.Event(enable_timing=True), mod.Event(enable_timing=True)) for _ in range(steps)]
-        for start, end in events:
-            start.record()
-            step()
-            end.record()
-        mod.synchronize(device)
-        times = [start.elapsed_time(end) / 1e3 for start, end in events]
-        allocated = mod.max_memory_allocated(device) / 2**30
-        reserved = mod.max_memory_reserved(device) / 2**30
-    else:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        allocated = reserved = None
+    times, allocated, reserved = _time_steps(step, steps, device)
     model = opt = batches = params = None  # the memory goes back before the next loop
     if spec.trainer.compile if compile is None else compile:
         torch._dynamo.reset()  # nor do the compiled graphs keep anything of this model

@@ -62,7 +62,7 @@ def _rho(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", default="single,dp2,tp2,pp2,tp2pp2")
     ap.add_argument("--held-out", default="pp2,tp2pp2", help="presets predicted, not fitted to")
@@ -72,7 +72,89 @@ def main() -> None:
         "--threads", type=int, default=0, help="intra-op threads per worker (OMP_NUM_THREADS); 0: the trainer's choice"
     )
     ap.add_argument("--store", default=None, help="keep (or reuse) the MLflow store and the preset of each run here")
-    args = ap.parse_args()
+    return ap
+
+
+def _run_presets(presets: list, common: list, base: dict, planned: dict, index: Path) -> None:
+    """One trial of each preset that has no run in ``planned`` yet (run id -> (preset, planned
+    GB), kept in ``index`` after each run): a preset's own overrides on top of ``base`` and
+    ``common``. A preset the trainer cannot run, or whose trial does not finish, is reported and
+    left out."""
+    done = {p for p, _ in planned.values()}
+    for preset in presets:
+        if preset in done:
+            continue
+        name, *own = preset.split(":")
+        mine = dict(o.split("=", 1) for o in own)
+        overrides = [f"parallel={name}", *common, *(f"{k}={v}" for k, v in {**base, **mine}.items())]
+        cfg = _compose(overrides)
+        try:
+            result = trial.run(cfg, overrides, progress=False)
+        except trial.ConfigError as err:
+            print(f"{preset}: not run: {'; '.join(err.errors)}")
+            continue
+        if result["status"] != "finished":
+            print(f"{preset}: {result['status']}: {result.get('reason', '')[:200]}")
+            continue
+        planned[result["run_id"]] = (preset, planner.preflight(cfg)["planned_mem_gb"])
+        index.write_text(json.dumps(planned))
+
+
+def _print_table(args: argparse.Namespace, cal, presets: list, planned: dict, peaks: dict) -> None:
+    """The fit's factors, then per run (fastest first) its preset, role, measured and predicted
+    step time, error and planned and peak memory, then the in-sample verdict."""
+    factors = ", ".join(f"{k}={v:.4g}" + ("" if k in cal.fitted else " (kept)") for k, v in cal.values().items())
+    print(
+        f"model={args.model} steps={args.steps} global_batch=16 seq_len=128 "
+        f"threads/worker={args.threads or 'cores/workers'}; {factors}"
+    )
+    width = max([10] + [len(p) + 2 for p in presets])
+    print(
+        f"{'preset':<{width}}{'role':<10}{'measured_s':>12}{'predicted_s':>13}{'error':>8}{'planned_gb':>12}"
+        f"{'peak_gb':>10}"
+    )
+    rows = [("fitted", r) for r in cal.runs] + [("held-out", r) for r in (cal.heldout.runs if cal.heldout else [])]
+    for role, run in sorted(rows, key=lambda x: x[1]["measured_s"]):
+        preset, plan_gb = planned.get(run["run_id"], ("?", float("nan")))
+        print(
+            f"{preset:<{width}}{role:<10}{run['measured_s']:>12.4f}{run['predicted_s']:>13.4f}"
+            f"{100 * run['rel_error']:>7.0f}%{plan_gb:>12.2f}{peaks.get(run['run_id']) or float('nan'):>10.2f}"
+        )
+    print(
+        f"fitted:   median |relative error| {100 * cal.median_abs_rel_error:.1f}%, Spearman rho "
+        f"{_rho(cal.spearman_rho)} over {cal.n_runs} runs ({cal.n_fitted} factors fitted; in-sample)"
+    )
+
+
+def _verdict(h) -> str:
+    return (
+        f"mean |relative error| {100 * h.mean_abs_rel_error:.1f}%, median {100 * h.median_abs_rel_error:.1f}%, "
+        f"largest {100 * h.max_abs_rel_error:.1f}%, Spearman rho {_rho(h.spearman_rho)}, Kendall tau "
+        f"{_rho(h.kendall_tau)} over {h.n_runs} runs"
+    )
+
+
+def _print_out_of_sample(cal, fit: list, held: list, trials: list, planner_cfg) -> None:
+    """The verdicts to judge the model by: on the held-out presets (and the same with the host
+    terms kept at their defaults), then on every layout left out of a fit to the others."""
+    if cal.heldout and cal.heldout.n_runs:
+        print(f"held-out: {_verdict(cal.heldout)} of presets not fitted to")
+        base = planner.calibrate(fit, planner_cfg, held_out=held, fit_host=False).heldout
+        print(f"held-out, host terms kept at their defaults (the model without them fitted): {_verdict(base)}")
+    else:
+        print("held-out: none (give --held-out presets that ran)")
+    # every layout predicted by a fit to the others (leave one layout out): as many held-out
+    # layouts as ran, so rho ranks all of them, not the two or three of one split
+    loo = planner.cross_validate(trials, planner_cfg, fit_host="all")
+    if loo.n_runs:
+        n_layouts = len({planner.layout_name(t.cfg) for t in trials})
+        print(
+            f"leave one layout out: {_verdict(loo)} of {n_layouts} layouts, each predicted by a fit to the others' runs"
+        )
+
+
+def main() -> None:
+    args = _parser().parse_args()
     if args.threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the spawned workers read it when torch loads
     else:
@@ -102,24 +184,7 @@ def main() -> None:
     unknown = held_names - set(presets)
     if unknown:
         sys.exit(f"--held-out {','.join(sorted(unknown))}: not among --presets")
-    done = {p for p, _ in planned.values()}
-    for preset in presets:
-        if preset in done:
-            continue
-        name, *own = preset.split(":")
-        mine = dict(o.split("=", 1) for o in own)
-        overrides = [f"parallel={name}", *common, *(f"{k}={v}" for k, v in {**base, **mine}.items())]
-        cfg = _compose(overrides)
-        try:
-            result = trial.run(cfg, overrides, progress=False)
-        except trial.ConfigError as err:
-            print(f"{preset}: not run: {'; '.join(err.errors)}")
-            continue
-        if result["status"] != "finished":
-            print(f"{preset}: {result['status']}: {result.get('reason', '')[:200]}")
-            continue
-        planned[result["run_id"]] = (preset, planner.preflight(cfg)["planned_mem_gb"])
-        index.write_text(json.dumps(planned))
+    _run_presets(presets, common, base, planned, index)
     wanted = set(presets)
     trials = [
         t for t in planner.measured_trials(uri, "calibration", chip="cpu") if planned.get(t.run_id, ("",))[0] in wanted
@@ -132,50 +197,8 @@ def main() -> None:
         return
     planner_cfg = _compose(common).planner  # the factors' starting values, for both fits below
     cal = planner.calibrate(fit, planner_cfg, held_out=held, fit_host="all")
-    peaks = {t.run_id: t.peak_mem_gb for t in trials}
-    factors = ", ".join(f"{k}={v:.4g}" + ("" if k in cal.fitted else " (kept)") for k, v in cal.values().items())
-    print(
-        f"model={args.model} steps={args.steps} global_batch=16 seq_len=128 "
-        f"threads/worker={args.threads or 'cores/workers'}; {factors}"
-    )
-    width = max([10] + [len(p) + 2 for p in presets])
-    print(
-        f"{'preset':<{width}}{'role':<10}{'measured_s':>12}{'predicted_s':>13}{'error':>8}{'planned_gb':>12}"
-        f"{'peak_gb':>10}"
-    )
-    rows = [("fitted", r) for r in cal.runs] + [("held-out", r) for r in (cal.heldout.runs if cal.heldout else [])]
-    for role, run in sorted(rows, key=lambda x: x[1]["measured_s"]):
-        preset, plan_gb = planned.get(run["run_id"], ("?", float("nan")))
-        print(
-            f"{preset:<{width}}{role:<10}{run['measured_s']:>12.4f}{run['predicted_s']:>13.4f}"
-            f"{100 * run['rel_error']:>7.0f}%{plan_gb:>12.2f}{peaks.get(run['run_id']) or float('nan'):>10.2f}"
-        )
-    print(
-        f"fitted:   median |relative error| {100 * cal.median_abs_rel_error:.1f}%, Spearman rho "
-        f"{_rho(cal.spearman_rho)} over {cal.n_runs} runs ({cal.n_fitted} factors fitted; in-sample)"
-    )
-
-    def verdict(h) -> str:
-        return (
-            f"mean |relative error| {100 * h.mean_abs_rel_error:.1f}%, median {100 * h.median_abs_rel_error:.1f}%, "
-            f"largest {100 * h.max_abs_rel_error:.1f}%, Spearman rho {_rho(h.spearman_rho)}, Kendall tau "
-            f"{_rho(h.kendall_tau)} over {h.n_runs} runs"
-        )
-
-    if cal.heldout and cal.heldout.n_runs:
-        print(f"held-out: {verdict(cal.heldout)} of presets not fitted to")
-        base = planner.calibrate(fit, planner_cfg, held_out=held, fit_host=False).heldout
-        print(f"held-out, host terms kept at their defaults (the model without them fitted): {verdict(base)}")
-    else:
-        print("held-out: none (give --held-out presets that ran)")
-    # every layout predicted by a fit to the others (leave one layout out): as many held-out
-    # layouts as ran, so rho ranks all of them, not the two or three of one split
-    loo = planner.cross_validate(trials, planner_cfg, fit_host="all")
-    if loo.n_runs:
-        n_layouts = len({planner.layout_name(t.cfg) for t in trials})
-        print(
-            f"leave one layout out: {verdict(loo)} of {n_layouts} layouts, each predicted by a fit to the others' runs"
-        )
+    _print_table(args, cal, presets, planned, {t.run_id: t.peak_mem_gb for t in trials})
+    _print_out_of_sample(cal, fit, held, trials, planner_cfg)
     print(f"MLflow store: {uri}")
 
 
