@@ -14,6 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import conf_dir, results
 from orchestrator.config import register_configs
+from trainers.report import NullReporter
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # two Ray clusters (each a dozen processes) fight for the two cores, and the two other workers
 # take the rest. Groups go out in collection order, sorted here: the Ray group first, then the
 # longest files (seconds each took in a clean-clone run under three workers: tracker_outage 164,
-# trial 157, parallel 155, best 140, sweep 138, ovat 129, knobs 122, ...), and the short ones
-# last to fill the end. xdist's own order (most tests first) left the long few-test files to the
-# end, where one of them ran on alone for minutes.
+# trial 157, parallel 155, best 140, sweep 138, ovat 129, knobs 122, the distributed part of which
+# is knobs_distributed now, ...), and the short ones last to fill the end. xdist's own order (most
+# tests first) left the long few-test files to the end, where one of them ran on alone for minutes.
 RAY_CLUSTERS = ("test_cluster.py", "test_ray.py", "test_launcher.py", "test_hang.py", "test_ray_pool.py")
 LONGEST_FIRST = (
     "test_tracker_outage.py",
@@ -35,7 +36,7 @@ LONGEST_FIRST = (
     "test_best.py",
     "test_sweep.py",
     "test_ovat.py",
-    "test_knobs.py",
+    "test_knobs_distributed.py",
     "test_numerics.py",
     "test_checkpoint.py",
     "test_llama_parallel.py",
@@ -208,6 +209,16 @@ def assert_planned_state_bytes(cfg, summary) -> None:
 
     measured = [{k: int(v) for k, v in r.items()} for r in summary["model_state_bytes"]]
     assert measured == planner.state_bytes_per_rank(cfg)
+
+
+class Rows(NullReporter):
+    """A reporter that keeps the per-step rows ``trainers.loop.train`` logs."""
+
+    def __init__(self):
+        self.rows = []
+
+    def log_steps(self, rows):
+        self.rows.extend(rows)
 
 
 class TableRunner:

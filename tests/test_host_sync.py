@@ -13,19 +13,11 @@ import pytest
 import torch
 
 from orchestrator import trial
+from tests.conftest import Rows
 from trainers.loop import train
-from trainers.report import NullReporter
 
 ONE = ["+chip=cpu", "trainer=smoke", "data.num_workers=0", "tracking.enabled=false", "trainer.warmup_steps=1"]
 READS = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
-
-
-class Rows(NullReporter):
-    def __init__(self):
-        self.rows = []
-
-    def log_steps(self, rows):
-        self.rows.extend(rows)
 
 
 def _host_reads(compose_cfg, monkeypatch, overrides):

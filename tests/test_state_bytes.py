@@ -11,7 +11,7 @@ Every parallel preset that gpt_tiny runs on a CPU is checked, each where it is l
 (``tests.conftest.assert_planned_state_bytes``): dp2, tp2, tp2 with sequence parallelism, pp2
 (each schedule), tp2pp2 and dp2tp2pp2 in tests/test_parallel.py; dp2 with DDP and with FSDP, with
 and without overlap, and bf16 parameters with fp32 masters on dp2, tp2 and pp2 in
-tests/test_knobs.py; dp2tp2, dp2pp2 and tied embeddings under TP and FSDP in
+tests/test_knobs_distributed.py; dp2tp2, dp2pp2 and tied embeddings under TP and FSDP in
 tests/test_llama_parallel.py. This file launches the rest: ``auto_dp``, ``dp4``, ``tp4``,
 ``pp4``, FSDP over bf16 parameters and bf16 without master weights under TP; the single-process
 cases run in this process.
