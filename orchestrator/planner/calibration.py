@@ -8,7 +8,7 @@ construction. :func:`calibrate` therefore takes ``held_out`` trials too (other l
 the same way) and reports the fitted model's mean, median and largest relative error and the rank
 correlation of its step times with the measured ones (Spearman's rho, Kendall's tau) on those
 (:class:`HeldOut`); :func:`cross_validate` does the same leaving each layout out in turn.
-``bench/plan_calibration.py`` prints both, ``tests/test_planner.py`` and
+``bench/plan_calibration.py`` prints both, ``tests/test_planner_step_time.py`` and
 ``tests/test_plan_calibration.py`` check them.
 """
 
