@@ -48,7 +48,7 @@ VARIANTS = ("torchrun", "local", "ray", "ray-join", "cli-local", "cli-ray", "ray
 
 
 class FirstStep:
-    """A reporter (trainers.report.Reporter) that writes the wall-clock time of step 0 to a file."""
+    """A reporter (trainers.reporter.Reporter) that writes the wall-clock time of step 0 to a file."""
 
     def __init__(self, path: str):
         self.path = path

@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import conf_dir, ray_sweep, sweep, trial
+from orchestrator import conf_dir, ray_sweep, sweep_parent, trial
 from orchestrator.config import register_configs
 
 log = logging.getLogger("orchestrator")
@@ -47,18 +47,18 @@ def finished_before(cfg: DictConfig, job_num: int) -> Optional[Dict[str, Any]]:
     """A sweep job's point that already finished: the result of the newest run with its config
     hash (``reused: True``), recorded on the sweep's parent run; None when the job must run (not
     in a sweep, ``tracking.skip_finished=false``, a sweeper that resumes by itself, no such run)."""
-    if not sweep.skips_finished(cfg.tracking):
+    if not sweep_parent.skips_finished(cfg.tracking):
         return None
     # the hash its run would carry: the chip resolved and the planner's mappings applied, as
     # trial.start completes the config (on a copy: the job's own config stays as composed)
     plan = trial.check(copy.deepcopy(cfg))
     if plan["status"] != "ready":
         return None
-    run = sweep.finished_run(cfg.tracking, plan["config_hash"])
+    run = sweep_parent.finished_run(cfg.tracking, plan["config_hash"])
     if run is None:
         return None
     run_id = run.info.run_id
-    sweep.record_reused(job_num, run_id)
+    sweep_parent.record_reused(job_num, run_id)
     log.info("#%d already finished in run %s: skipped", job_num, run_id)
     return {
         "status": "finished",

@@ -8,7 +8,7 @@ import logging
 import os
 from typing import Any, Dict, Iterator, List, Tuple
 
-from trainers.report import ROW_TIME
+from trainers.reporter import ROW_TIME
 
 log = logging.getLogger("orchestrator")
 

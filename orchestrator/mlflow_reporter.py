@@ -17,7 +17,7 @@ from typing import Any, Deque, Dict, List, Optional
 from orchestrator import mlflow_calls
 from orchestrator.mlflow_journal import Journal, journal_head
 from orchestrator.mlflow_store import BACKOFF_S, client, first_line, transient
-from trainers.report import ROW_TIME
+from trainers.reporter import ROW_TIME
 
 log = logging.getLogger("orchestrator")
 
@@ -88,7 +88,7 @@ class MlflowReporter:
         self.__dict__.update(state)
         self._reset()
 
-    # -- the trainer's interface (trainers/report.py)
+    # -- the trainer's interface (trainers/reporter.py)
 
     def open(self) -> None:
         """Start the delivery thread: it connects to the store (importing MLflow and opening the

@@ -32,7 +32,7 @@ from orchestrator import (
     planner,
     ray_cluster,
     ray_trial,
-    sweep,
+    sweep_parent,
     tracking,
     trial_files,
 )
@@ -134,7 +134,7 @@ def record_infeasible(
     """A trial that cannot run still gets a run, with its status and the reasons; not launched.
     ``lay``: its layout when already worked out. None (a warning) when the store cannot be used."""
     tags = trial_tags(cfg, lay) if not OmegaConf.is_missing(cfg.chip, "name") else {}
-    tags.update(sweep.child_tags(cfg.tracking))
+    tags.update(sweep_parent.child_tags(cfg.tracking))
     why = mlflow_store.store_problem(tracking.resolve_uri(cfg.tracking))
     if why:  # nowhere to record it: say so instead of waiting on the store
         log.warning("not recorded (%s: %s): %s", tracking.resolve_uri(cfg.tracking), why, "; ".join(errors))
@@ -257,7 +257,9 @@ def start(
     spec = build_spec(cfg, lay)
     reporter = None
     if cfg.tracking.enabled:
-        uri, run_id = tracking.start_run(cfg, overrides, {**trial_tags(cfg, lay), **sweep.child_tags(cfg.tracking)})
+        uri, run_id = tracking.start_run(
+            cfg, overrides, {**trial_tags(cfg, lay), **sweep_parent.child_tags(cfg.tracking)}
+        )
         result["run_id"] = run_id
         reporter = mlflow_reporter.MlflowReporter(
             uri, run_id, int(cfg.trainer.steps), progress, journal=trial_files.journal(run_id)
@@ -376,6 +378,6 @@ def run(
     """
     trial = start(cfg, overrides, progress, launcher)
     result = trial.result if trial.spec is None else finish(trial, launch_path(trial.resolved, slot))
-    if result.get("run_id") and sweep.current() is None:  # where to look; a sweep says it once, at its end
+    if result.get("run_id") and sweep_parent.current() is None:  # where to look; a sweep says it once, at its end
         mlflow_ui.show_ui(tracking.resolve_uri(cfg.tracking), result["run_id"])
     return result

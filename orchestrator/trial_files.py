@@ -7,7 +7,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from orchestrator import sweep
+from orchestrator import sweep_parent
 
 
 def journal(run_id: str) -> str:
@@ -31,7 +31,7 @@ def checkpoint_dir(cfg: DictConfig, run_id: str) -> str:
     root = cfg.trainer.checkpoint_dir
     if not root:
         return str(Path("checkpoints").resolve() / run_id)
-    if sweep.current() is not None or in_multirun():
+    if sweep_parent.current() is not None or in_multirun():
         return str(root).rstrip("/") + "/" + run_id
     return str(root)
 

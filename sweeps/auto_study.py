@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from orchestrator import auto_report, results, sweep, tracking
+from orchestrator import auto_report, results, sweep_parent, tracking
 from orchestrator.filled import fill
 from orchestrator.planner.search import base_config
 from orchestrator.planner.space import candidate_config
@@ -84,7 +84,7 @@ def _prepare(
     from sweeps.ovat import StudyError
 
     spec = {k: (OmegaConf.to_container(v) if OmegaConf.is_config(v) else v) for k, v in sweeper.spec.items()}
-    info = sweep.active(sweeper.hydra_context)
+    info = sweep_parent.active(sweeper.hydra_context)
     try:
         auto = parse(spec)
     except StudyError as err:
@@ -115,11 +115,11 @@ def run_auto(sweeper: Any, arguments: List[str]) -> List[Any]:
     if auto.dry_run:
         _print_dry_run(plan, cfg, auto, batch)
         if info is not None:
-            sweep.discard(info)
+            sweep_parent.discard(info)
         return []
     if info is None:
         _fail_study(["tracking.enabled=false: the auto sweeper reads every measurement back from MLflow"])
-    sweep.sweeper_resumes(info)
+    sweep_parent.sweeper_resumes(info)
     t1 = time.perf_counter()
     search, stop, points, runner = _measure(sweeper, arguments, cfg, devices, auto, batch, plan, info)
     best = search.best()

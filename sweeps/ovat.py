@@ -22,7 +22,7 @@ memory and operator coverage): one that cannot run is recorded in MLflow and nev
 Measurements come back from MLflow by config hash, so re-running a study reuses the trials that
 already finished (``hydra.sweeper.resume``) and launches only the missing repeats.
 
-The sweep's parent run (``orchestrator.sweep``) gets the tuning report: ``tuning_report.md``,
+The sweep's parent run (``orchestrator.sweep_parent``) gets the tuning report: ``tuning_report.md``,
 ``tuning_report.json`` and PNG plots, also written to the sweep directory.
 
 Here: the descent and its decisions. The study's definition and parsing are
@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
-from orchestrator import report_render, results, sweep, tracking
+from orchestrator import report_render, results, sweep_parent, tracking
 from orchestrator.results import Point
 from sweeps.ovat_rows import _planned_row, _row, _skip_row
 from sweeps.ovat_runner import Runner, _label
@@ -290,7 +290,7 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
 def _fail_study(errors: List[str], info: Optional[Dict[str, Any]] = None) -> None:
     """Bad input: one line per broken key, exit 2; the sweep's parent run is removed again."""
     if info is not None:
-        sweep.discard(info)
+        sweep_parent.discard(info)
     for line in errors:
         print(f"error: {line}", file=sys.stderr)
     raise SystemExit(2)
@@ -323,8 +323,8 @@ def run_study(sweeper: Any, arguments: List[str]) -> List[Any]:
     try:
         study = parse_study(spec, arguments, parser, name)
     except StudyError as err:
-        _fail_study(err.errors, sweep.active(sweeper.hydra_context))
-    info = sweep.active(sweeper.hydra_context)
+        _fail_study(err.errors, sweep_parent.active(sweeper.hydra_context))
+    info = sweep_parent.active(sweeper.hydra_context)
     if info is None:
         _fail_study(
             [
@@ -334,7 +334,7 @@ def run_study(sweeper: Any, arguments: List[str]) -> List[Any]:
         )
     # the study reuses finished runs by config hash itself and launches repeats of one config on
     # purpose: its jobs must not skip a hash that already finished (tracking.skip_finished)
-    sweep.sweeper_resumes(info)
+    sweep_parent.sweeper_resumes(info)
     runner = Runner(sweeper, study, info)
     _check_composes(study, runner)
     sweep_dir = Path(str(config.hydra.sweep.dir))

@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, open_dict
 
-from orchestrator import effects, results, sweep, tracking, trial
+from orchestrator import effects, results, sweep_parent, tracking, trial
 from orchestrator.filled import fill
 from orchestrator.results import Point
 from sweeps.ovat_spec import Study
@@ -54,7 +54,7 @@ class Runner:
         if plan["status"] != "ready":
             # recorded in the sweep, never launched
             p.status, p.reason = plan["status"], "; ".join(plan["reasons"])
-            with sweep.job_env(self.info):
+            with sweep_parent.job_env(self.info):
                 run_id = trial.record_infeasible(cfg, overrides, plan["reasons"], plan["status"], plan["preflight"])
             p.run_ids = [run_id]
             self.pruned += 1

@@ -14,7 +14,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import conf_dir, results
 from orchestrator.config import register_configs
-from trainers.report import NullReporter
+from trainers.reporter import NullReporter
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -52,7 +52,7 @@ ALLOWED_FROM_TRAINERS = {
     # a Hugging Face weights folder's headers (json and struct, no torch), checked before launch
     ("trainers.hf_layout", "check"),
     # the key of a step row's wall-clock time, part of the one reporting interface (typing only)
-    ("trainers.report", "ROW_TIME"),
+    ("trainers.reporter", "ROW_TIME"),
 }
 TORCH_FREE = ("trainers.config", "trainers.rules")
 
@@ -187,5 +187,5 @@ def test_the_orchestrator_modules_import_one_another_without_a_cycle():
     graph = _orchestrator_import_graph()
     assert {"orchestrator.app", "orchestrator.trial", "orchestrator.ray_trial"} <= set(graph)
     assert "orchestrator.ray_trial" in graph["orchestrator.trial"]  # the graph sees the imports
-    assert "orchestrator.tracking" in graph["orchestrator.sweep"]
+    assert "orchestrator.tracking" in graph["orchestrator.sweep_parent"]
     assert not _cycle(graph), " -> ".join(_cycle(graph))

@@ -51,16 +51,16 @@ def test_a_sweeper_finds_its_sweep_through_hydra_s_context():
     from hydra._internal.callbacks import Callbacks
     from hydra.types import HydraContext
 
-    from orchestrator import sweep
+    from orchestrator import sweep_parent
 
     callbacks = Callbacks()
     context = HydraContext(config_loader=None, callbacks=callbacks)
-    assert sweep.active(context) is None  # no sweep callback configured
-    callback = sweep.SweepCallback()
+    assert sweep_parent.active(context) is None  # no sweep callback configured
+    callback = sweep_parent.SweepCallback()
     callbacks.callbacks.append(callback)
-    assert sweep.active(context) is None  # tracking disabled: no parent run
+    assert sweep_parent.active(context) is None  # tracking disabled: no parent run
     callback.sweep = {"id": "s1", "parent_run_id": "r1", "uri": "sqlite:///x.db", "experiment": "orchestrator"}
-    assert sweep.active(context) is callback.sweep
+    assert sweep_parent.active(context) is callback.sweep
 
 
 def _parent(runs, sweep_id=None):
@@ -145,13 +145,13 @@ def test_a_re_run_sweep_launches_only_the_points_not_finished_yet(tmp_path):
 def test_a_crashed_driver_ends_the_parent_failed_and_its_orphaned_trials(mlflow_uri):
     """The exit hook's path: a driver that dies without on_multirun_end (a crash) ends the parent
     FAILED with the reason, and a trial still RUNNING (its job died with the driver) as crash."""
-    from orchestrator import sweep, tracking
+    from orchestrator import sweep_parent, tracking
 
     exp = tracking.experiment_id(mlflow_uri, "orchestrator")
     c = tracking.client(mlflow_uri)
     parent = c.create_run(exp, tags={"sweep": "s1", "sweep.status": "running"}).info.run_id
     orphan = c.create_run(exp, tags={"sweep": "s1", "trial.status": "running"}).info.run_id
-    callback = sweep.SweepCallback()
+    callback = sweep_parent.SweepCallback()
     callback.sweep = {
         "id": "s1",
         "parent_run_id": parent,

@@ -20,7 +20,7 @@ from mlflow.tracking import MlflowClient
 from orchestrator import mlflow_journal, mlflow_reporter, mlflow_store, mlflow_ui, report_render, tracking, trial
 from orchestrator.launch import free_port
 from tests.conftest import ROOT, TableRunner, cli_in_process, metric_history, search_runs
-from trainers.report import ROW_TIME
+from trainers.reporter import ROW_TIME
 
 SMOKE = ["+chip=cpu", "trainer=smoke", "data.num_workers=0"]
 

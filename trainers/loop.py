@@ -33,7 +33,7 @@ from trainers.optim import lr_at
 from trainers.parallel import acc_dtype, global_grad_norm, param_checksum
 from trainers.precision import LossScaler, grad_multiplier
 from trainers.profiling import METRIC_KEYS, Profiler
-from trainers.report import ROW_TIME, NullReporter, Reporter
+from trainers.reporter import ROW_TIME, NullReporter, Reporter
 from trainers.runtime import (
     adopt_env,
     memory_gb,
