@@ -217,6 +217,31 @@ def _takes(obj, keyword: str) -> bool:
         return f"{keyword}=" in head.replace(" ", "")
 
 
+def _import_aliases(nodes) -> dict:
+    """The names the import statements among ``nodes`` bind, to what they stand for."""
+    import ast
+
+    alias = {}
+    for n in nodes:
+        if isinstance(n, ast.Import):
+            for a in n.names:
+                alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
+            for a in n.names:
+                alias[a.asname or a.name] = f"{n.module}.{a.name}"
+    return alias
+
+
+def _outside_functions(node):
+    """The nodes below ``node`` that no function or lambda holds (a module's own statements)."""
+    import ast
+
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            yield child
+            yield from _outside_functions(child)
+
+
 def _guarded_uses(sources: dict) -> tuple:
     """The guarded uses in ``sources`` ({path: text}): the names taken from GUARDED_MODULES, as
     {(qualname, where)}, and the guarded keywords passed to torch callables, as
@@ -228,31 +253,14 @@ def _guarded_uses(sources: dict) -> tuple:
     keywords = GUARDED_KEYWORDS | {k for _, _, k, _, _ in NEEDS if k}
     names, calls = set(), set()
 
-    def imports(nodes) -> dict:
-        alias = {}
-        for n in nodes:
-            if isinstance(n, ast.Import):
-                for a in n.names:
-                    alias[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
-            elif isinstance(n, ast.ImportFrom) and n.module and n.level == 0:
-                for a in n.names:
-                    alias[a.asname or a.name] = f"{n.module}.{a.name}"
-        return alias
-
-    def outside_functions(node):
-        for child in ast.iter_child_nodes(node):
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-                yield child
-                yield from outside_functions(child)
-
     for path, text in sources.items():
         tree = ast.parse(text, filename=path)
-        top = list(outside_functions(tree))
+        top = list(_outside_functions(tree))
         scopes = [(tree, top)] + [
             (f, list(ast.walk(f))) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
         ]
         for scope, nodes in scopes:
-            alias = {**imports(top), **imports(nodes)}
+            alias = {**_import_aliases(top), **_import_aliases(nodes)}
 
             def qual(e):
                 if isinstance(e, ast.Name):
