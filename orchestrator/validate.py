@@ -297,13 +297,28 @@ def _pipeline_rules(cfg: DictConfig, lay: Layout, per_replica: int, rem: int, er
     # the pipeline splits each replica's batch into parallel.microbatches itself
     if p.microbatches < lay.pp:
         err(f"parallel.microbatches={p.microbatches} is below parallel.pp={lay.pp}: the pipeline never fills")
-    if p.microbatches == lay.pp and c.overlap and rules.dp_wrapping(lay.dp, lay.tp, str(p.dp_shard)) == "ddp":
-        # measured on dp2pp2 (gpt_tiny, llama_tiny; 1F1B and GPipe): 4 microbatches run, 2 crash
+    stages = lay.pp * rules.stages_per_rank(lay.pp, p.schedule, p.virtual_stages)
+    ddp = c.overlap and rules.dp_wrapping(lay.dp, lay.tp, str(p.dp_shard)) == "ddp"
+    if p.schedule == "zbv" and lay.dp > 1 and c.overlap:
+        # measured on dp2pp2 against the single-process reference (gpt_tiny, torch 2.13): DDP's
+        # losses leave it from the second step, FSDP's stop falling (a stage never trains); with
+        # the reduction after the backward (comm.overlap=false) both equal it
         err(
-            f"parallel.microbatches={p.microbatches} equal to parallel.pp={lay.pp} under DDP "
-            f"(parallel.dp={lay.dp}): torch's DDP reducer fails on the pipeline's first step ('rebuilt "
-            f"parameter indices size is not same as original model parameters size'); use more "
-            f"microbatches than stages, parallel.dp_shard=fsdp or comm.overlap=false"
+            f"parallel.schedule=zbv with parallel.dp={lay.dp} and comm.overlap=true: ZB-V computes the "
+            f"weight gradients after the backward pass that DDP's and FSDP's reduction hooks follow, so "
+            f"gradients are reduced before they exist; set comm.overlap=false (the reduction after the "
+            f"backward) or another parallel.schedule"
+        )
+    if lay.pp <= p.microbatches <= stages and ddp:
+        # measured on dp2pp2 (gpt_tiny, llama_tiny, torch 2.13): 1F1B and GPipe (2 stages) crash at
+        # 2 microbatches and run at 4; interleaved 1F1B (2 stages a rank) and ZB-V (4 stages) crash
+        # at 4 and run at 5, 6 and 8; FSDP and DDP without overlap run every one of them
+        err(
+            f"parallel.microbatches={p.microbatches} not above the pipeline's {stages} stages "
+            f"(parallel.pp={lay.pp} x {stages // lay.pp} a rank) under DDP (parallel.dp={lay.dp}): torch's DDP "
+            f"reducer fails on the pipeline's first step ('rebuilt parameter indices size is not same as "
+            f"original model parameters size'); use more microbatches than stages, parallel.dp_shard=fsdp or "
+            f"comm.overlap=false"
         )
     if not rem and per_replica % p.microbatches:
         err(
@@ -320,7 +335,6 @@ def _pipeline_rules(cfg: DictConfig, lay: Layout, per_replica: int, rem: int, er
             f"parallel.virtual_stages={p.virtual_stages}: parallel.schedule=interleaved_1f1b needs at least "
             f"2 stages per rank"
         )
-    stages = lay.pp * rules.stages_per_rank(lay.pp, p.schedule, p.virtual_stages)
     if stages > m.n_layers >= lay.pp:
         err(f"parallel.pp={lay.pp} x stages per rank = {stages} stages exceeds model.n_layers={m.n_layers}")
     if m.tie_embeddings:

@@ -8,6 +8,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+# The suite runs three workers, Ray clusters and trials of several processes on two cores: far
+# more threads than cores. OpenMP's threads (libgomp in torch's CPU build) spin between parallel
+# regions by default, burning the cores the other processes wait for; passive ones sleep. Three
+# gpt_tiny trainings at once on two cores: 17.7-20.7 s passive against 48.7-57.1 s spinning (a
+# lone training, which has the cores to itself, steps ~25% faster spinning: not the suite's case).
+# Read by libgomp when torch loads: set before any import of torch, in this process and so in
+# every process it starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra

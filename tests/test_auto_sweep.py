@@ -66,7 +66,8 @@ def test_a_dry_run_plans_and_launches_nothing(tmp_path, monkeypatch, capfd):
     args = [*BASE, "model=llama_tiny", "launch.world_size=4", "hydra.sweeper.dry_run=true"]
     code, out, err = cli_in_process(args, tmp_path, monkeypatch, capfd)
     assert code == 0, err[-3000:]
-    assert "auto (dry run): 164 points, 100 fit" in out, out
+    # 92: ZB-V over replicas with the overlapped reduction is refused (8 points)
+    assert "auto (dry run): 164 points, 92 fit" in out, out
     assert "excluded     48  parallel.microbatches=N is below parallel.pp=N" in out
     assert "    1. dp4tp1pp1" in out and "measure: at most 12 trials in batches of 2" in out
     assert "polish from the winner, one at a time, at most 10 trials" in out

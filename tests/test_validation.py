@@ -22,8 +22,25 @@ BROKEN = [
     (["parallel=pp2", "parallel.microbatches=1"], "parallel.microbatches"),
     (["parallel=pp2", "parallel.microbatches=3", "trainer.global_batch=8"], "parallel.microbatches=3"),
     (["parallel=dp2", "parallel.microbatches=4"], "parallel.microbatches=4"),  # no pipeline to cut for
-    # DDP over a pipeline of as many microbatches as stages: torch's reducer fails on the first step
-    (["parallel=dp2pp2", "parallel.microbatches=2", "trainer.global_batch=8"], "parallel.microbatches=2 equal"),
+    # DDP over a pipeline of no more microbatches than stages: torch's reducer fails on the first
+    # step; two stages a rank (interleaved 1F1B, ZB-V) make 4 stages of pp=2
+    (["parallel=dp2pp2", "parallel.microbatches=2", "trainer.global_batch=8"], "parallel.microbatches=2 not above"),
+    (["parallel=dp2pp2", "parallel.schedule=zbv", "trainer.global_batch=16"], "parallel.microbatches=4 not above"),
+    # ZB-V's deferred weight gradients under the overlapped reduction: wrong gradients, refused
+    (
+        ["parallel=dp2pp2", "parallel.schedule=zbv", "trainer.global_batch=20", "parallel.microbatches=5"],
+        "parallel.schedule=zbv",
+    ),
+    (["parallel=dp2pp2", "parallel.schedule=zbv", "parallel.dp_shard=fsdp"], "parallel.schedule=zbv"),
+    (
+        [
+            "parallel=dp2pp2",
+            "parallel.schedule=interleaved_1f1b",
+            "parallel.virtual_stages=2",
+            "trainer.global_batch=16",
+        ],
+        "parallel.microbatches=4 not above",
+    ),
     (["trainer.global_batch=12", "trainer.micro_batch=8"], "trainer.micro_batch"),
     (["parallel=dp2", "trainer.global_batch=9", "trainer.micro_batch=1"], "trainer.global_batch=9"),
     (["model.n_heads=5"], "model.n_heads=5"),
@@ -104,6 +121,15 @@ def test_one_line_per_rule_and_no_traceback(tmp_path):
 
 def test_a_valid_config_passes(compose_cfg):
     assert prepare(compose_cfg(["+chip=cpu", "parallel=dp2"])).chip.name == "cpu"
+    # ZB-V over replicas with the reduction after the backward, under DDP and FSDP, and with one
+    # replica (each measured equal to the single-process reference: the refusals above go no wider)
+    zbv = ["+chip=cpu", "parallel=dp2pp2", "parallel.schedule=zbv", "trainer.micro_batch=2"]
+    for extra in (
+        ["trainer.global_batch=16", "comm.overlap=false"],
+        ["trainer.global_batch=16", "comm.overlap=false", "parallel.dp_shard=fsdp"],
+        ["parallel=tp2pp2"],  # one replica: nothing to reduce
+    ):
+        prepare(compose_cfg([*zbv, *extra]))
 
 
 @pytest.mark.parametrize(
