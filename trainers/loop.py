@@ -344,8 +344,7 @@ class Loop:
             "param_sum_initial": self.param_sum_initial,
             "param_sum_final": g["param_sum_final"],
             "world_size": world,
-            # trainer.deterministic as the worker runs it: torch's deterministic-algorithms switch
-            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),  # as the worker ran
             "resumed_from_step": self.start_step,
             "steps_run": self.history[-1]["step"] + 1,  # < trainer.steps when trainer.measure=adaptive stopped early
             "step_time_ci_rel": measure.relative_half_width(timed),  # 95% interval half-width / median (None: < 6)
