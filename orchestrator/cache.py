@@ -1,6 +1,6 @@
 """What the orchestrator can make again but would rather not make on every trial's critical path:
 an empty MLflow store already migrated (``orchestrator.tracking``), the operators a model calls
-(``orchestrator.planner.op_coverage``). Everything here is keyed by what it was made from, so a stale
+(``orchestrator.planner.operators``). Everything here is keyed by what it was made from, so a stale
 entry is never read: a cache that cannot be written or read is skipped, never an error.
 
 The folder is the trainer's (its stdlib corpus is kept there too): ``$CHIP_ORCHESTRATOR_CACHE``,

@@ -70,7 +70,8 @@ def pipeline_rules(cfg: DictConfig, lay: Layout, per_replica: int, rem: int, err
     # the pipeline splits each replica's batch into parallel.microbatches itself
     if p.microbatches < lay.pp:
         err(f"parallel.microbatches={p.microbatches} is below parallel.pp={lay.pp}: the pipeline never fills")
-    stages = lay.pp * rules.stages_per_rank(lay.pp, p.schedule, p.virtual_stages)
+    per_rank = rules.stages_per_rank(lay.pp, p.schedule, p.virtual_stages)
+    stages = lay.pp * per_rank
     ddp = c.overlap and rules.dp_wrapping(lay.dp, lay.tp, str(p.dp_shard)) == "ddp"
     if p.schedule == "zbv" and lay.dp > 1 and c.overlap:
         # measured on dp2pp2 against the single-process reference (gpt_tiny, torch 2.13): DDP's
@@ -82,16 +83,16 @@ def pipeline_rules(cfg: DictConfig, lay: Layout, per_replica: int, rem: int, err
             f"gradients are reduced before they exist; set comm.overlap=false (the reduction after the "
             f"backward) or another parallel.schedule"
         )
-    if lay.pp <= p.microbatches <= stages and ddp:
-        # measured on dp2pp2 (gpt_tiny, llama_tiny, torch 2.13): 1F1B and GPipe (2 stages) crash at
-        # 2 microbatches and run at 4; interleaved 1F1B (2 stages a rank) and ZB-V (4 stages) crash
-        # at 4 and run at 5, 6 and 8; FSDP and DDP without overlap run every one of them
+    limit = lay.pp * min(per_rank, 2)
+    if lay.pp <= p.microbatches <= limit and ddp:
+        # measured under DDP (gpt_tiny, torch 2.13), crash / run by microbatches: 1F1B pp2 2 / 3, 4
+        # (GPipe 2 / 4); pp4 1F1B 5 runs; interleaved pp2 v2 4 / 6, 8; pp2 v4 4 / 6, 8; pp4 v2
+        # 4, 8 / 12; ZB-V pp2 4 / 5. FSDP and DDP without overlap run every one of them
         err(
-            f"parallel.microbatches={p.microbatches} not above the pipeline's {stages} stages "
-            f"(parallel.pp={lay.pp} x {stages // lay.pp} a rank) under DDP (parallel.dp={lay.dp}): torch's DDP "
-            f"reducer fails on the pipeline's first step ('rebuilt parameter indices size is not same as "
-            f"original model parameters size'); use more microbatches than stages, parallel.dp_shard=fsdp or "
-            f"comm.overlap=false"
+            f"parallel.microbatches={p.microbatches} not above {limit} under DDP (parallel.dp={lay.dp}, "
+            f"parallel.pp={lay.pp}, {per_rank} stage(s) a rank): torch's DDP reducer fails on the "
+            f"pipeline's first step ('rebuilt parameter indices size is not same as original model "
+            f"parameters size'); use more microbatches, parallel.dp_shard=fsdp or comm.overlap=false"
         )
     if not rem and per_replica % p.microbatches:
         err(

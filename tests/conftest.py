@@ -82,6 +82,19 @@ def composed(overrides=()):
         return compose("config", overrides=list(overrides))
 
 
+def single_process(overrides, reporter=None) -> dict:
+    """The single-process reference: ``overrides`` composed and prepared as a trial, trained in
+    this process with no process group (``trainers.loop.train``); its summary."""
+    from orchestrator import trial
+    from trainers.loop import train
+
+    try:
+        cfg = trial.prepare(composed(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+    return train(trial.build_spec(cfg), reporter) if reporter is not None else train(trial.build_spec(cfg))
+
+
 def _rank_main(rank: int, world: int, port: int, measure, specs: list, extra: tuple, out: str) -> None:
     """One spawned rank of :func:`on_ranks`: a gloo group, each spec's ``RankModel`` measured in
     turn (every rank finishing each before the next), its results saved to ``out/rank{r}.pt``."""

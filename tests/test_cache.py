@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import cache, mlflow_store, tracking
-from orchestrator.planner import op_coverage
+from orchestrator.planner import operators
 
 
 def test_an_entry_is_made_once_per_key_and_a_broken_one_is_made_again(tmp_path, monkeypatch):
@@ -40,8 +40,8 @@ def test_an_unwritable_cache_still_gives_the_value(tmp_path, monkeypatch):
 def test_the_operator_capture_is_read_from_disk_and_keyed_by_the_trainer_source(compose_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("CHIP_ORCHESTRATOR_CACHE", str(tmp_path))
     cfg = compose_cfg(["+chip=cpu", "trainer=smoke"])
-    op_coverage._captured.cache_clear()
-    first = op_coverage.captured_ops(cfg.model, cfg.trainer.seq_len, "bf16")
+    operators._captured.cache_clear()
+    first = operators.captured_ops(cfg.model, cfg.trainer.seq_len, "bf16")
     assert first and len(list((tmp_path / "ops").glob("*.json"))) == 1
 
     def no_capture(*a, **k):
@@ -50,13 +50,13 @@ def test_the_operator_capture_is_read_from_disk_and_keyed_by_the_trainer_source(
     import trainers.ops
 
     monkeypatch.setattr(trainers.ops, "capture_ops", no_capture)
-    op_coverage._captured.cache_clear()  # a new process: only the disk has it
-    assert op_coverage.captured_ops(cfg.model, cfg.trainer.seq_len, "bf16") == first
+    operators._captured.cache_clear()  # a new process: only the disk has it
+    assert operators.captured_ops(cfg.model, cfg.trainer.seq_len, "bf16") == first
     monkeypatch.setattr(cache, "trainer_source_digest", lambda: "another trainer")
-    op_coverage._captured.cache_clear()
+    operators._captured.cache_clear()
     with pytest.raises(AssertionError, match="captured again"):  # a changed trainer is traced anew
-        op_coverage.captured_ops(cfg.model, cfg.trainer.seq_len, "bf16")
-    op_coverage._captured.cache_clear()
+        operators.captured_ops(cfg.model, cfg.trainer.seq_len, "bf16")
+    operators._captured.cache_clear()
 
 
 def _schema(db: Path):

@@ -1,6 +1,6 @@
 """Knobs across processes, each against a single-process reference: comm.overlap (the reduction
 changes, the losses do not), evaluation in every layout, dropout under TP, 16-bit parameters with
-fp32 master weights (and their exact resume under FSDP).
+fp32 master weights (their exact resume under FSDP: tests/test_resume.py).
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from orchestrator import trial
-from tests.conftest import Rows, assert_planned_state_bytes, metric_history
+from tests.conftest import Rows, assert_planned_state_bytes, metric_history, single_process
 from trainers import comm
 from trainers.config import ModelConfig
-from trainers.loop import train
 from trainers.model import GPT
 
 STEPS = 4
@@ -29,19 +28,8 @@ BASE = [
 
 @pytest.fixture(scope="module")
 def reference():
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from orchestrator import conf_dir
-    from orchestrator.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        cfg = trial.prepare(compose("config", overrides=[*BASE, "parallel=single", "tracking.enabled=false"]))
-    GlobalHydra.instance().clear()
     rows = Rows()
-    summary = train(trial.build_spec(cfg), rows)
+    summary = single_process([*BASE, "parallel=single", "tracking.enabled=false"], rows)
     summary["val_losses"] = [r["val_loss"] for r in rows.rows if "val_loss" in r]
     return summary
 
@@ -117,18 +105,7 @@ BF16 = ["precision=bf16", "precision.param_dtype=bf16"]
 
 @pytest.fixture(scope="module")
 def bf16_reference():
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from orchestrator import conf_dir
-    from orchestrator.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        cfg = trial.prepare(compose("config", overrides=[*BASE, *BF16, "parallel=single", "tracking.enabled=false"]))
-    GlobalHydra.instance().clear()
-    return train(trial.build_spec(cfg))
+    return single_process([*BASE, *BF16, "parallel=single", "tracking.enabled=false"])
 
 
 @pytest.mark.distributed
@@ -145,30 +122,3 @@ def test_bf16_master_weights_in_each_layout(compose_cfg, bf16_reference, layout)
     for held in s["model_state_bytes"]:
         assert held["grads"] == held["params"] and held["optimizer"] == 6 * held["params"]
     assert s["losses"] == pytest.approx(bf16_reference["losses"], rel=2e-3)
-
-
-@pytest.mark.distributed
-def test_bf16_master_weights_under_fsdp_resume_exactly(compose_cfg, tmp_path):
-    """FSDP2 shards of bf16 parameters, their fp32 masters sharded alike; a DCP checkpoint keeps
-    the masters in fp32, so a resumed run continues with the uninterrupted losses."""
-    overrides = [
-        *BASE,
-        *BF16,
-        "parallel=dp2",
-        "parallel.dp_shard=fsdp",
-        "trainer.steps=8",
-        "trainer.checkpoint_every=4",
-        f"trainer.checkpoint_dir={tmp_path}",
-        "tracking.enabled=false",
-    ]
-    first = trial.run(compose_cfg(overrides), [], progress=False)
-    assert first["status"] == "finished", first.get("reason")
-    s = first["summary"]
-    assert [held["optimizer"] for held in s["model_state_bytes"]] == [6 * s["n_params"]] * 2  # 12 B on half each
-    import shutil
-
-    shutil.rmtree(tmp_path / "step_00000008")
-    again = trial.run(compose_cfg(overrides), [], progress=False)
-    assert again["status"] == "finished", again.get("reason")
-    assert again["summary"]["resumed_from_step"] == 4
-    assert again["summary"]["losses"] == pytest.approx(s["losses"][4:], rel=1e-6)

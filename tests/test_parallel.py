@@ -11,8 +11,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator import trial
-from tests.conftest import assert_planned_state_bytes, metric_history, search_runs
-from trainers.loop import train
+from tests.conftest import assert_planned_state_bytes, metric_history, search_runs, single_process
 
 pytestmark = pytest.mark.distributed
 
@@ -51,18 +50,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def reference():
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from orchestrator import conf_dir
-    from orchestrator.config import register_configs
-
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(str(conf_dir()), version_base="1.3"):
-        cfg = trial.prepare(compose("config", overrides=[*BASE, "parallel=single"]))
-    GlobalHydra.instance().clear()
-    return train(trial.build_spec(cfg))  # this process, no process group: the reference
+    return single_process([*BASE, "parallel=single"])
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -88,20 +88,22 @@ def test_more_virtual_stages_cost_more_per_stage():
 
 def test_the_search_prefers_fewer_stages_when_stages_cost(compose_cfg):
     """The plan moves: llama2_7b's fastest interleaved point on 8 devices has one layer per stage
-    (pp4 x v8) without a per-stage cost, and fewer chunks per rank with 10 ms of it. (At the
-    default 100 us it stays at v=8: the bubble it saves is worth more; from ~300 us the fastest
-    point on 8 devices has no pipeline at all.)"""
+    (32 stages: pp8 x v4, or pp4 x v8 under FSDP; pp4 x v8 under DDP with its 8 microbatches is
+    refused) without a per-stage cost, and fewer stages with 10 ms of it. (At the default 100 us
+    it stays at 32: the bubble it saves is worth more; from ~300 us the fastest point on 8 devices
+    has no pipeline at all.)"""
     from orchestrator.planner import search
 
-    def fastest_v(**kw):
+    def fastest_stages(**kw):
         cfg = compose_cfg(["+chip=ascend910b", "model=llama2_7b"])
         for k, v in kw.items():
             cfg.planner[k] = v
         res = search.plan_space(cfg, 8)
         inter = [p for p in res.plans if p.fits and p.candidate.schedule == "interleaved_1f1b"]
-        return min(inter, key=lambda p: p.step.step_time_s).candidate.virtual_stages
+        best = min(inter, key=lambda p: p.step.step_time_s).candidate
+        return best.pp * best.virtual_stages
 
-    assert fastest_v(stage_host_us=0.0) == 8 and fastest_v(stage_host_us=1e4) < 8
+    assert fastest_stages(stage_host_us=0.0) == 32 and fastest_stages(stage_host_us=1e4) < 32
 
 
 def test_collective_latency_grows_with_log2_of_the_group():

@@ -2,9 +2,10 @@
 state from step to step beyond the model and the optimizer: gradient compression (top-k's
 error-feedback residuals; PowerSGD's error feedback, warm-start factors and iteration count, in
 each rank's checkpoint by ``trainers.comm.saved`` / ``restore``), the fp16 loss scaler caught
-between a backoff and its next growth, and the pipeline schedules whose stages a rank holds more
-than one of (interleaved 1F1B, ZB-V). Without the state, the resumed run leaves the uninterrupted
-one at the first resumed step (a fresh scaler overflows again and skips it)."""
+between a backoff and its next growth, the fp32 master weights of bf16 parameters under FSDP, and
+the pipeline schedules whose ranks hold more than one stage (interleaved 1F1B, ZB-V). Without the
+state, the resumed run leaves the uninterrupted one at the first resumed step (a fresh scaler
+overflows again and skips it)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ CASES = {
         "precision.backoff_factor=0.01",
         "precision.growth_interval=3",
     ],
+    # FSDP2 shards of bf16 parameters with their fp32 masters sharded alike: DCP keeps the masters
+    "bf16-masters-fsdp": ["parallel=dp2", "parallel.dp_shard=fsdp", "precision=bf16", "precision.param_dtype=bf16"],
     "interleaved_1f1b": ["parallel=pp2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
     "zbv": ["parallel=pp2", "parallel.schedule=zbv"],
 }
@@ -51,5 +54,8 @@ def test_a_resumed_trial_is_the_uninterrupted_one(compose_cfg, tmp_path, case):
     assert again["status"] == "finished", again.get("reason")
     assert again["summary"]["resumed_from_step"] == 4
     assert again["summary"]["losses"] == pytest.approx(losses[4:], rel=1e-6, abs=1e-6)
+    if case == "bf16-masters-fsdp":  # fp32 masters and Adam's two moments, 12 B a parameter, on half each
+        s = first["summary"]
+        assert [held["optimizer"] for held in s["model_state_bytes"]] == [6 * s["n_params"]] * 2
     if case == "fp16-mid-backoff":  # two overflows before the checkpoint (counted in it), none after
         assert first["summary"]["skipped_steps_total"] == 2 == again["summary"]["skipped_steps_total"]

@@ -22,8 +22,8 @@ BROKEN = [
     (["parallel=pp2", "parallel.microbatches=1"], "parallel.microbatches"),
     (["parallel=pp2", "parallel.microbatches=3", "trainer.global_batch=8"], "parallel.microbatches=3"),
     (["parallel=dp2", "parallel.microbatches=4"], "parallel.microbatches=4"),  # no pipeline to cut for
-    # DDP over a pipeline of no more microbatches than stages: torch's reducer fails on the first
-    # step; two stages a rank (interleaved 1F1B, ZB-V) make 4 stages of pp=2
+    # DDP over a pipeline of no more microbatches than pp (one stage a rank) or 2 x pp (several):
+    # torch's reducer fails on the first step
     (["parallel=dp2pp2", "parallel.microbatches=2", "trainer.global_batch=8"], "parallel.microbatches=2 not above"),
     (["parallel=dp2pp2", "parallel.schedule=zbv", "trainer.global_batch=16"], "parallel.microbatches=4 not above"),
     # ZB-V's deferred weight gradients under the overlapped reduction: wrong gradients, refused
@@ -130,6 +130,10 @@ def test_a_valid_config_passes(compose_cfg):
         ["parallel=tp2pp2"],  # one replica: nothing to reduce
     ):
         prepare(compose_cfg([*zbv, *extra]))
+    # DDP under interleaved 1F1B of 4 stages a rank: 6 microbatches run (the limit is 2 x pp, not 8 stages)
+    prepare(compose_cfg(["+chip=cpu", "parallel=dp2pp2", "parallel.schedule=interleaved_1f1b",
+                         "parallel.virtual_stages=4", "model.n_layers=8", "trainer.global_batch=12",
+                         "trainer.micro_batch=1", "parallel.microbatches=6"]))  # fmt: skip
 
 
 @pytest.mark.parametrize(

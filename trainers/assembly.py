@@ -131,13 +131,19 @@ class RankModel:
             "zbv": pl.ScheduleZBVZeroBubble,
         }[self.p.schedule]
 
-        def scaled_loss(logits, target):
-            return self.scaler.scale_loss(self.loss(logits, target))
+        n = self.p.microbatches
 
-        # scale_grads: gradients are averaged over the microbatches, as a single process
-        # accumulating the same micro-batches would
+        def scaled_loss(logits, target):
+            # each microbatch's loss divided by their number before the loss scale, as a single
+            # process accumulating the same micro-batches divides it: the gradients are their mean,
+            # and the backward's fp16 values are as large as the single process's. (torch's
+            # scale_grads=True divides the gradients after the backward instead, so every
+            # microbatch's backward ran n times larger: llama_tiny fp16 tp2pp2 and dp2pp2 overflowed
+            # a step the single process did not.)
+            return self.scaler.scale_loss(self.loss(logits, target) / n)
+
         arg = stages[0] if cls in (pl.ScheduleGPipe, pl.Schedule1F1B) else stages
-        return cls(arg, n_microbatches=self.p.microbatches, loss_fn=scaled_loss, scale_grads=True)
+        return cls(arg, n_microbatches=n, loss_fn=scaled_loss, scale_grads=False)
 
     def train(self, mode: bool = True) -> None:
         for m in self.wrapped:
@@ -182,7 +188,7 @@ class RankModel:
             with autocast(self.pargs, self.device):
                 self.schedule.step(*args, target=y if self.has_last else None, losses=losses if self.has_last else None)
             loss_acc = (
-                torch.stack([x.detach().float() for x in losses]).mean() / self.scaler.scale
+                torch.stack([x.detach().float() for x in losses]).sum() / self.scaler.scale  # each was / n
                 if self.has_last
                 else torch.zeros((), device=self.device)
             )

@@ -8,7 +8,7 @@ One concern per module, each with its formulas and their sources in its docstrin
 - :mod:`.memory`: memory per rank: model state (exact bytes per rank), activations
   (Korthikanti et al. 2022), communication buffers, the runtime reserve;
 - :mod:`.step_time`: step time: compute, pipeline bubble, DP/TP/PP communication (alpha-beta);
-- :mod:`.op_coverage`: operator coverage against the chip's operator table, captured on meta tensors;
+- :mod:`.operators`: operator coverage against the chip's operator table, captured on meta tensors;
 - :mod:`.calibration`: the step-time factors fitted to measured trials in MLflow, and judged on
   held-out ones (the least squares themselves in :mod:`.factor_fit`);
 - :mod:`.preflight`: one layout planned as composed, the preflight report a trial is launched on;
@@ -48,7 +48,7 @@ from orchestrator.planner.memory import (
     rank_model_state,
     state_bytes,
 )
-from orchestrator.planner.op_coverage import OpCoverage, OpPlan, captured_ops, op_coverage
+from orchestrator.planner.operators import OpCoverage, OpPlan, captured_ops, op_coverage
 from orchestrator.planner.preflight import (
     NOT_YET,
     LayoutPlan,

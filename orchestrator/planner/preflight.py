@@ -1,5 +1,5 @@
 """One layout planned as composed, and the preflight report a trial is launched on: memory fit
-(:mod:`.memory`), operator coverage (:mod:`.op_coverage`) and the step-time estimate (:mod:`.step_time`).
+(:mod:`.memory`), operator coverage (:mod:`.operators`) and the step-time estimate (:mod:`.step_time`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.layout import layout
 from orchestrator.planner.memory import MemoryPlan, memory_plan, model_state_bytes
-from orchestrator.planner.op_coverage import op_coverage
+from orchestrator.planner.operators import op_coverage
 from orchestrator.planner.shapes import GiB, ModelShape, ParallelShape
 from orchestrator.planner.step_time import StepEstimate, step_time
 from orchestrator.validate import validate

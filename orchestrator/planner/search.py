@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from orchestrator.planner.fast_plan import FastPlan, FastPlanner
 from orchestrator.planner.memory import MemoryPlan
-from orchestrator.planner.op_coverage import OpCoverage, op_coverage
+from orchestrator.planner.operators import OpCoverage, op_coverage
 from orchestrator.planner.preflight import LayoutPlan, resolved, with_model_overrides
 from orchestrator.planner.shapes import ModelShape, ParallelShape
 from orchestrator.planner.space import (
