@@ -75,14 +75,25 @@ def error_summary(err: BaseException) -> str:
     return f"{type(err).__name__}: {error_line(str(err))}"
 
 
+# where a traceback chains a cause to the exception raised from it (``raise ... from err``)
+CHAINED = "The above exception was the direct cause of the following exception"
+# torch.distributed.pipelining's stage re-raises what failed inside it under this line
+PIPELINE_WRAPPER = re.compile(r"\[Stage \d+\] failed to run (forward|backward)")
+
+
 def _rank_line(failure: Any) -> str:
-    message = failure.message
+    message, cause = failure.message, ""
     if isinstance(message, dict):  # the elastic error file: {"message": ..., "extraInfo": ...}
+        # a wrapper's message says little (torch's pipelining: "[Stage 0] failed to run forward:
+        # args: ... kwargs: {}"); the error it was raised from, first in the traceback, says why
+        stack = str((message.get("extraInfo") or {}).get("py_callstack") or "")
         message = message.get("message", "")
+        if CHAINED in stack and PIPELINE_WRAPPER.search(str(message)):
+            cause = error_line(stack.split(CHAINED)[0])
     message = str(message or "")
     if failure.signal_name() and failure.signal_name() != "<N/A>" and (not message or "Signal" in message):
         return f"killed by {failure.signal_name()}"
-    return error_line(message) or f"exit code {failure.exitcode}"
+    return cause or error_line(message) or f"exit code {failure.exitcode}"
 
 
 def _failure_reason(err: Exception) -> str:

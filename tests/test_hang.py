@@ -124,6 +124,23 @@ def test_the_local_reason_names_the_timed_out_rank_not_the_hung_one(tmp_path):
     assert _failure_reason(ChildFailedError("worker_entry", failures)) == "rank 0: killed by SIGTERM"
 
 
+def test_the_local_reason_is_the_cause_a_wrapper_was_raised_from(tmp_path):
+    """torch's pipelining re-raises a stage's error as "[Stage 0] failed to run forward: args: ...
+    kwargs: {}"; the reason is the error it chained (a DDP reducer's assert, seen on dp2pp2)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from orchestrator.launch import CHAINED, _failure_reason
+
+    cause = "RuntimeError: params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED"
+    stack = f"Traceback (most recent call last):\n  File ...\n{cause}\n\n{CHAINED}:\n\nTraceback ...\nRuntimeError: \n"
+    wrapper = "RuntimeError: \n  [Stage 0] failed to run forward:\n  args: ('Tensor(...)',)\n  kwargs: {}\n"
+    error_file = tmp_path / "rank0.json"
+    info = {"py_callstack": stack, "timestamp": "0"}
+    error_file.write_text(json.dumps({"message": {"message": wrapper, "extraInfo": info}}))
+    failures = {0: ProcessFailure(local_rank=0, pid=10, exitcode=1, error_file=str(error_file))}
+    assert _failure_reason(ChildFailedError("worker_entry", failures)) == f"rank 0: {cause}"
+
+
 def test_the_ray_reason_names_the_timed_out_rank_not_a_collateral_peer():
     """Ray Train's failures: rank 0's collateral connection reset, rank 1's gloo timeout."""
     from types import SimpleNamespace
