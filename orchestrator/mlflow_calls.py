@@ -15,6 +15,12 @@ log = logging.getLogger("orchestrator")
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit (mlflow.utils.validation.MAX_METRICS_PER_BATCH)
 
 
+def log_metrics(c: Any, run_id: str, metrics: List[Any]) -> None:
+    """``metrics`` through the client ``c`` in as few ``log_batch`` calls as MLflow's limit allows."""
+    for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+        c.log_batch(run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
+
+
 def row_metrics(row: Dict[str, Any], fallback_ms: int) -> List[Any]:
     """A step row's metrics at its step, timed when the step ended (``ROW_TIME``, else
     ``fallback_ms``); keys starting with ``_`` and values that are not numbers are not metrics."""
@@ -58,9 +64,7 @@ def deliver_op(c: Any, run_id: str, op: Dict[str, Any]) -> None:
     elif op["op"] == "text":
         c.log_text(run_id, op["text"], op["path"])
     elif op["op"] == "metrics":
-        metrics = [Metric(k, float(v), op["time"], 0) for k, v in op["values"].items()]
-        for i in range(0, len(metrics), MAX_METRICS_PER_BATCH):
-            c.log_batch(run_id, metrics=metrics[i : i + MAX_METRICS_PER_BATCH])
+        log_metrics(c, run_id, [Metric(k, float(v), op["time"], 0) for k, v in op["values"].items()])
     elif op["op"] == "artifact":
         if not os.path.exists(op["path"]):
             log.warning("run %s: artifact %s is gone; not logged", run_id, op["path"])

@@ -313,8 +313,7 @@ class MlflowReporter:
                 kept.append(r)
                 top = int(r["step"])
         for metrics, n_rows, last in mlflow_calls.row_batches(kept, int(time.time() * 1000)):
-            for j in range(0, len(metrics), mlflow_calls.MAX_METRICS_PER_BATCH):  # one row above the limit
-                c.log_batch(self.run_id, metrics=metrics[j : j + mlflow_calls.MAX_METRICS_PER_BATCH])
+            mlflow_calls.log_metrics(c, self.run_id, metrics)  # one row above the limit: split
             self._logged_up_to = last
             self.rows_delivered += n_rows
 

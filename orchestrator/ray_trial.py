@@ -180,7 +180,9 @@ def launch_trial(
             except Exception as err:
                 if not attempt_failed(err):
                     raise
-                run.fail_or_restart(err, attempt, max_failures)
+                failed = err
+            # outside the handler: a TrialFailed raised from here carries no attempt's error as its context
+            run.fail_or_restart(failed, attempt, max_failures)
         raise AssertionError("unreachable")
 
 

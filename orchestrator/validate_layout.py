@@ -51,7 +51,7 @@ def layout_rules(cfg: DictConfig, err: Callable[[str], None]) -> Optional[Layout
             f"gradient accumulation is trainer.global_batch/parallel.dp/trainer.micro_batch: set it to 1"
         )
     if lay.pp > 1:
-        pipeline_rules(cfg, lay, per_replica, rem, err)
+        _pipeline_rules(cfg, lay, per_replica, rem, err)
     if c.compression != "none" and (lay.dp == 1 or lay.tp > 1 or p.dp_shard != "ddp"):
         err(
             f"comm.compression={c.compression} applies to DDP gradient all-reduces: it needs parallel.dp>1, "
@@ -63,7 +63,7 @@ def layout_rules(cfg: DictConfig, err: Callable[[str], None]) -> Optional[Layout
     return lay
 
 
-def pipeline_rules(cfg: DictConfig, lay: Layout, per_replica: int, rem: int, err: Callable[[str], None]) -> None:
+def _pipeline_rules(cfg: DictConfig, lay: Layout, per_replica: int, rem: int, err: Callable[[str], None]) -> None:
     """A pipeline's: microbatches that fill it and divide the replica's batch, its schedule's
     stages, an untied head."""
     m, p, c = cfg.model, cfg.parallel, cfg.comm

@@ -92,7 +92,7 @@ def single_process(overrides, reporter=None) -> dict:
         cfg = trial.prepare(composed(overrides))
     finally:
         GlobalHydra.instance().clear()
-    return train(trial.build_spec(cfg), reporter) if reporter is not None else train(trial.build_spec(cfg))
+    return train(trial.build_spec(cfg), reporter)
 
 
 def _rank_main(rank: int, world: int, port: int, measure, specs: list, extra: tuple, out: str) -> None:

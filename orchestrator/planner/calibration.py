@@ -206,7 +206,9 @@ def calibrate(
         **{k: value[k] * 1e6 for k in HOST_FACTORS},
     )
     if trials:
-        predicted = [combine(p, *_factors(cal)).step_time_s for p in parts]
+        host = HostCosts(*(value[k] for k in HOST_FACTORS))
+        fitted_factors = (value["compute_efficiency"], value["comm_efficiency"], value["collective_latency_us"], host)
+        predicted = [combine(p, *fitted_factors).step_time_s for p in parts]
         errors, cal.runs = _compare(trials, predicted)
         cal.median_abs_rel_error = statistics.median(errors)
         cal.spearman_rho = spearman_rho(predicted, measured)
