@@ -1,7 +1,7 @@
 """The automatic search against the grid of the same planned space.
 
     python bench/auto_vs_grid.py [--model llama_tiny] [--devices 4] [--steps 12] [--remeasure 3]
-                                 [--max-trials 12] [--space-schedules 1f1b] [--keep DIR]
+                                 [--max-trials 12] [--confirm 2] [--space-schedules 1f1b] [--keep DIR]
 
 Both run as a user runs them, ``python -m orchestrator +sweep=auto ...`` with Hydra's basic
 launcher, on ``--devices`` CPU ranks, each in its own MLflow experiment of one store:
@@ -48,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--remeasure", type=int, default=3)
     ap.add_argument("--max-trials", type=int, default=12)
+    ap.add_argument("--confirm", type=int, default=2, help="runs the search's best needs before it may stop")
     ap.add_argument("--space-schedules", default="1f1b")
     ap.add_argument("--space-checkpointing", default="false")
     ap.add_argument("--space-sequence-parallel", default="false")
@@ -72,6 +73,8 @@ def remeasure(reports: dict, count: int, work: Path, uri: str) -> dict:
 
 
 def print_comparison(args: argparse.Namespace, reports: dict, walls: dict, measured: dict, work: Path) -> None:
+    from orchestrator import results
+
     """The table (per search: trials, trial-seconds, wall time, best in the search and remeasured,
     the planner's error and tau), then the auto search against the grid: its share of the
     trial-seconds, its winner's remeasured step time and place among the grid's, its stop reason."""
@@ -96,10 +99,15 @@ def print_comparison(args: argparse.Namespace, reports: dict, walls: dict, measu
         )
     a, gs = reports["auto"]["summary"], g["summary"]
     ratio = statistics.median(measured["auto"]) / statistics.median(measured["grid"])
+    # the noise of a remeasured median: the larger spread ((max - min) / median) of the two
+    # winners' interleaved runs; the same config when both searches chose it
+    noise = max(results.spread(measured["auto"]), results.spread(measured["grid"]))
+    same = a["best"] == gs["best"]
+    verdict = "the same point" if same else ("within noise" if ratio <= 1 + noise else "NOT within noise")
     print(
         f"auto spent {a['trial_seconds'] / gs['trial_seconds']:.2f}x the grid's trial-seconds ({a['trials']} of "
         f"{gs['trials']} trials); its winner's remeasured step time is {ratio:.3f}x the grid winner's (median of "
-        f"{args.remeasure} interleaved runs each)"
+        f"{args.remeasure} interleaved runs each; their spread {100 * noise:.0f}%): {verdict}"
     )
     grid_rank = sorted((r for r in g["candidates"] if r["measured_s"]), key=lambda r: r["measured_s"])
     place = next((i + 1 for i, r in enumerate(grid_rank) if r["candidate"] == a["best"]), None)
@@ -136,8 +144,9 @@ def main() -> None:
         work / "grid.log",
     )
     auto_wall = cli(
-        [*search, "tracking.experiment=auto", f"hydra.sweeper.max_trials={args.max_trials}"], work, work / "auto.log"
-    )
+        [*search, "tracking.experiment=auto", f"hydra.sweeper.max_trials={args.max_trials}",
+         f"hydra.sweeper.confirm={args.confirm}"], work, work / "auto.log",
+    )  # fmt: skip
     reports = {"grid": report(uri, "grid"), "auto": report(uri, "auto")}
     walls = {"grid": grid_wall, "auto": auto_wall}
     measured = remeasure(reports, args.remeasure, work, uri)

@@ -44,7 +44,7 @@ def markdown(data: Dict[str, Any]) -> str:
             continue  # the table lists what ran or was ruled out; the rest are counted below
         lines.append(
             f"| {r['candidate']}{' (best)' if r['best'] else ''} | {r['fate']} | {r['predicted_s']:.4g} | "
-            f"{results.fmt(r['corrected_s'])} | {results.fmt(r['measured_s'])} | {r['reason'][:120]} |"
+            f"{results.fmt(r['corrected_s'])} | {_measured(r)} | {r['reason'][:120]} |"
         )
     lines += polish_lines(data.get("polish"))
     left = [r for r in data["candidates"] if r["fate"].startswith("not measured")]
@@ -53,6 +53,14 @@ def markdown(data: Dict[str, Any]) -> str:
             f"{r['candidate']} ({results.fmt(r['corrected_s'])} s)" for r in left[:5]
         )]  # fmt: skip
     return "\n".join(lines) + "\n"
+
+
+def _measured(row: Dict[str, Any]) -> str:
+    """A candidate's measured step time; with its runs where it ran more than once (confirmed)."""
+    runs = row.get("samples") or []  # reports from before confirmation have no samples
+    if len(runs) < 2:
+        return results.fmt(row["measured_s"])
+    return f"{results.fmt(row['measured_s'])} (median of {', '.join(results.fmt(v) for v in runs)})"
 
 
 def polish_lines(p: Optional[Dict[str, Any]]) -> List[str]:

@@ -14,9 +14,13 @@ on planted timings (``tests/test_auto_search.py``).
   floored at ``min_error``. A caller with a better refit (``orchestrator.planner.calibrate`` on
   the measured trials) passes it as ``refit``.
 - **Stop**: when no unmeasured candidate, credited with that error (its corrected prediction
-  divided by ``exp(error)``), would beat the best measured by the win threshold; or when a
-  budget is spent (``max_trials``, ``max_trial_seconds``, ``max_device_hours``: trial-seconds
-  times the devices each trial holds).
+  divided by ``exp(error)``), would beat the best measured by the win threshold, and the best has
+  been measured ``confirm`` times (before the rule may stop the search, the incumbent runs again:
+  the fastest of many short trials on a noisy host is often a lucky one, and a second run that
+  comes out slower hands the lead, and the next batch, to the others; its figure is the median of
+  its runs); or when a budget is spent (``max_trials``, ``max_trial_seconds``,
+  ``max_device_hours``: trial-seconds times the devices each trial holds), a confirming run
+  counted as a trial.
 - **Failure pruning**: a candidate that ran out of memory rules out every candidate of the same
   layout, schedule and stages that needs at least as much memory: a micro-batch as large or
   larger (under a pipeline, only while both fill it: GPipe keeps the whole replica batch whatever
@@ -47,8 +51,10 @@ class Entry:
     candidate: Candidate
     predicted_s: float  # the planner's step time
     status: str = "pending"  # pending | finished | a failed status | pruned
-    measured_s: Optional[float] = None
-    trial_s: float = 0.0  # seconds the trial cost
+    measured_s: Optional[float] = None  # the median of ``samples``
+    trial_s: float = 0.0  # seconds its trials cost
+    samples: List[float] = field(default_factory=list)  # the step time of each finished run
+    runs: int = 0  # trials launched for it (a confirming run that failed included)
     reason: str = ""
     corrected_s: Optional[float] = None  # the prediction after the last refit
     planned_gb: Optional[float] = None  # the planner's memory of the most loaded rank (GiB)
@@ -112,6 +118,7 @@ class Search:
     memory_scale: float = 1.0  # the planner's memory corrected by the OOMs seen: x this at least
     refit: Refit = ratio_refit
     exhaustive: bool = False  # measure every candidate (a grid over the planned space), budgets aside
+    confirm: int = 1  # runs the best needs before the rule may stop the search (not in a grid)
     error: float = float("inf")  # the planner's error as |log ratio|, from the last refit
     log: List[str] = field(default_factory=list)
 
@@ -136,7 +143,7 @@ class Search:
         return min(done, key=lambda e: e.measured_s) if done else None
 
     def trials(self) -> int:
-        return sum(1 for e in self.entries if e.status not in ("pending", "pruned"))
+        return sum(e.runs for e in self.entries)
 
     def trial_seconds(self) -> float:
         return sum(e.trial_s for e in self.entries)
@@ -149,16 +156,34 @@ class Search:
     def _rank(self) -> List[Entry]:
         return sorted(self.pending(), key=lambda e: e.corrected_s if e.corrected_s is not None else e.predicted_s)
 
-    def stop_reason(self) -> Optional[str]:
-        """Why the search stops now, or None to measure another batch."""
-        if not self.pending():
-            return "every candidate measured or ruled out"
+    def unconfirmed(self) -> Optional[Entry]:
+        """The best, while it has had fewer than ``confirm`` runs (never in a grid)."""
+        best = self.best()
+        return best if best is not None and not self.exhaustive and best.runs < self.confirm else None
+
+    def _budget(self) -> Optional[str]:
         if self.max_trials and self.trials() >= self.max_trials:
             return f"budget: {self.trials()} trials of max_trials={self.max_trials}"
         if self.max_trial_seconds and self.trial_seconds() >= self.max_trial_seconds:
             return f"budget: {self.trial_seconds():.0f} trial-seconds of max_trial_seconds={self.max_trial_seconds:g}"
         if self.max_device_hours and self.device_hours() >= self.max_device_hours:
             return f"budget: {self.device_hours():.3g} device-hours of max_device_hours={self.max_device_hours:g}"
+        return None
+
+    def stop_reason(self) -> Optional[str]:
+        """Why the search stops now, or None to measure another batch (or confirm the best)."""
+        rule = self._rule()
+        if rule is not None and not self.pending() and self.unconfirmed() is None:
+            return rule
+        budget = self._budget()
+        if budget is not None:
+            return budget
+        return rule if self.unconfirmed() is None else None
+
+    def _rule(self) -> Optional[str]:
+        """Why the search has nothing left worth measuring, the best's confirmation aside."""
+        if not self.pending():
+            return "every candidate measured or ruled out"
         best = self.best()
         if self.exhaustive or best is None or not math.isfinite(self.error):
             return None  # a grid; or nothing to compare with, or the planner's error not yet known
@@ -174,20 +199,30 @@ class Search:
         return None
 
     def next_batch(self) -> List[Entry]:
-        """The candidates to measure next (none when the search stops)."""
+        """The candidates to measure next (none when the search stops); the best alone, to run
+        again, where only its confirmation keeps the rule from stopping the search."""
         if self.stop_reason() is not None:
             return []
+        if self._rule() is not None:
+            return [self.unconfirmed()]
         n = self.batch
         if self.max_trials:
             n = min(n, self.max_trials - self.trials())
         return self._rank()[: max(0, n)]
 
     def record(self, entry: Entry, measured_s: Optional[float], status: str = "finished", reason: str = "",
-               trial_s: float = 0.0) -> None:  # fmt: skip
-        """A trial's outcome: its median step time, or the status it failed with."""
-        entry.trial_s = trial_s
+               trial_s: float = 0.0, samples: Optional[Sequence[float]] = None) -> None:  # fmt: skip
+        """A trial's outcome: its median step time, or the status it failed with; ``trial_s`` what
+        it cost. A measured entry run again (its confirmation) gains a sample; ``samples``, where
+        given, are all of the entry's runs (the runner's own record of them)."""
+        entry.trial_s += trial_s
+        entry.runs += 1
         if status == "finished" and measured_s is not None:
-            entry.status, entry.measured_s = "finished", float(measured_s)
+            entry.samples = [float(v) for v in samples] if samples else [*entry.samples, float(measured_s)]
+            entry.status, entry.measured_s = "finished", statistics.median(entry.samples)
+            return
+        if entry.status == "finished":  # a confirming run that failed: its first figure stands
+            self.log.append(f"{entry.name}: its run {entry.runs} did not finish ({status}: {reason[:200]})")
             return
         entry.status, entry.reason = status, reason
         if status != OOM:
@@ -235,11 +270,13 @@ class Search:
                 reason = self.stop_reason() or "no candidate left"
                 self.log.append(f"stop: {reason}")
                 return reason
+            again = [e.name for e in batch if e.status == "finished"]
             measure(batch)
             self.update()
             best = self.best()
             self.log.append(
-                f"measured {', '.join(e.name for e in batch)}; best {best.name if best else '-'}; "
+                f"{'measured again' if again else 'measured'} {', '.join(e.name for e in batch)}; "
+                f"best {best.name if best else '-'}; "
                 f"planner error {100 * (math.exp(self.error) - 1) if math.isfinite(self.error) else float('inf'):.0f}%"
             )
 
@@ -266,6 +303,7 @@ def summary(search: Search) -> Dict[str, object]:
         "candidates": len(search.entries),
         "trials": search.trials(),
         "trial_seconds": search.trial_seconds(),
+        "best_runs": best.samples if best else None,
         "device_hours": search.device_hours(),
         "memory_scale": search.memory_scale,
         "pruned": sum(1 for e in search.entries if e.status == "pruned"),

@@ -18,6 +18,7 @@ class AutoSpec:
     batch: int = 0  # trials a batch; 0: as many as launch.nnodes nodes hold at once, at least 2
     min_speedup: float = 1.03
     max_trials: int = 12
+    confirm: int = 2
     max_trial_seconds: Optional[float] = None
     max_device_hours: Optional[float] = None
     dry_run: bool = False
@@ -47,6 +48,7 @@ def parse(spec: Dict[str, Any]) -> AutoSpec:
     out.batch = number("batch", int, 0)
     out.min_speedup = number("min_speedup", float, 1.0)
     out.max_trials = number("max_trials", int, 1)
+    out.confirm = number("confirm", int, 1)
     out.shortlist = number("shortlist", int, 1)
     if spec.get("max_trial_seconds") is not None:
         out.max_trial_seconds = number("max_trial_seconds", float, 0.0, strict=True)

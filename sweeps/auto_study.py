@@ -70,6 +70,8 @@ def _entry_row(e: Entry, chosen: Optional[Entry], stop: str) -> Dict[str, Any]:
         "predicted_s": e.predicted_s,
         "corrected_s": e.corrected_s,
         "measured_s": e.measured_s,
+        "runs": e.runs,
+        "samples": e.samples,
         "trial_s": e.trial_s,
         "reason": e.reason,
         "best": e is chosen,
@@ -233,17 +235,25 @@ def _measure(sweeper, arguments, cfg, devices, auto, batch, plan, info):
         max_trials=auto.max_trials,
         max_trial_seconds=auto.max_trial_seconds or 0.0,
         exhaustive=auto.exhaustive,
+        confirm=auto.confirm,
     )
     points: Dict[int, Any] = {}
 
     def measure(entries: List[Entry]) -> None:
         pts = [runner.point(assignment(e.candidate)) for e in entries]
-        runner.measure(pts)
+        again = [p for e, p in zip(entries, pts) if e.status == "finished"]  # the best, confirmed
+        for p in again:
+            p.status = "pending"
+        runner.study.repeats = 1 + max([e.runs for e in entries if e.status == "finished"], default=0)
+        try:
+            runner.measure(pts)
+        finally:
+            runner.study.repeats = 1
         for e, p in zip(entries, pts):
             points[id(e)] = p
-            seconds = _seconds(info["uri"], p.run_ids)
+            seconds = max(0.0, _seconds(info["uri"], p.run_ids) - e.trial_s)  # this batch's run(s)
             if p.status == tracking.STATUS_OK and p.value is not None:
-                search.record(e, p.value, trial_s=seconds)
+                search.record(e, p.value, trial_s=seconds, samples=p.values)
             else:
                 search.record(e, None, status=p.status if p.status != "pending" else "crash", reason=p.reason,
                               trial_s=seconds)  # fmt: skip

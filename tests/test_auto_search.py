@@ -212,3 +212,62 @@ def test_an_oom_corrects_the_memory_model_across_layouts():
     s2 = Search.of([(failed, 1.0), (other_big, 1.1)], planned_gb=[50.0, 52.0])
     s2.record(s2.entries[0], None, status=OOM)
     assert s2.entries[1].status == "pending" and s2.memory_scale == 1.0
+
+
+def runs_of(search: Search, sequences, cost=10.0):
+    """A runner whose every candidate has a planted step time per run (its list, in turn)."""
+    left = {c: list(v) for c, v in sequences.items()}
+
+    def measure(batch):
+        for e in batch:
+            search.record(e, left[e.candidate].pop(0), trial_s=cost)
+
+    return measure
+
+
+def test_a_lucky_first_run_is_run_again_before_it_ends_the_search():
+    """The planner's favourite measures 0.8 s once (a lucky run) and 1.6 s the next: truly the
+    slowest. Without confirmation the search stops on the lucky figure; with ``confirm=2`` the
+    second run hands the lead to the truly fastest point, which is then confirmed in its turn."""
+    lucky, steady, slow = cand(mb=1), cand(mb=2), cand(mb=4)
+    ranked = [(lucky, 0.5), (steady, 0.55), (slow, 2.0)]
+    runs = {lucky: [0.8, 1.6], steady: [1.0, 1.02], slow: [4.0]}
+    once = Search.of(ranked, batch=2)
+    once.run(runs_of(once, runs))
+    assert once.best().candidate == lucky and once.best().runs == 1
+    twice = Search.of(ranked, batch=2, confirm=2)
+    stop = twice.run(runs_of(twice, runs))
+    best = twice.best()
+    assert best.candidate == steady and best.samples == [1.0, 1.02] and best.measured_s == pytest.approx(1.01)
+    lucky_entry = next(e for e in twice.entries if e.candidate == lucky)
+    assert lucky_entry.samples == [0.8, 1.6] and lucky_entry.measured_s == pytest.approx(1.2)
+    assert "no unmeasured candidate can win" in stop and twice.trials() == 4  # 2 + both confirmations
+    assert sum("measured again" in line for line in twice.log) == 2, twice.log
+    assert summary(twice)["best_runs"] == [1.0, 1.02]
+
+
+def test_a_confirmation_is_a_trial_of_the_budget_and_a_failed_one_keeps_the_figure():
+    a, b = cand(mb=1), cand(mb=2)
+    ranked = [(a, 0.5), (b, 0.52)]
+    s = Search.of(ranked, batch=2, confirm=2, max_trials=2)
+    s.run(runs_of(s, {a: [1.0, 1.0], b: [1.5]}))
+    assert s.trials() == 2 and s.best().runs == 1  # the budget ends it before any confirmation
+    s = Search.of(ranked, batch=2, confirm=2)
+    s.update()
+    for e, t in zip(s.next_batch(), (1.0, 1.5)):
+        s.record(e, t, trial_s=5.0)
+    s.update()
+    again = s.next_batch()
+    assert [e.candidate for e in again] == [a]
+    s.record(again[0], None, status="crash", reason="segfault", trial_s=2.0)
+    s.update()
+    assert s.best().candidate == a and s.best().measured_s == 1.0 and s.best().status == "finished"
+    assert s.trials() == 3 and s.trial_seconds() == 12.0 and "did not finish" in s.log[-1]
+    assert s.next_batch() == [] and s.stop_reason() == "every candidate measured or ruled out"
+
+
+def test_a_grid_measures_each_point_once():
+    ranked, truth = planted(4)
+    s = Search.of(ranked, batch=2, exhaustive=True, confirm=3)
+    s.run(measure_with(s, truth))
+    assert s.trials() == 4 and all(e.runs == 1 for e in s.entries)

@@ -27,6 +27,9 @@ class AutoSweeperConf:
     batch: int = 0  # trials measured between two refits; 0: what the nodes hold at once, at least 2
     min_speedup: float = 1.03  # an unmeasured point must be predicted this much faster to be tried
     max_trials: int = 12  # budget: trials launched (at least 1)
+    # runs the best point needs before the search may stop on the rule (1: its first run is
+    # trusted; 2: it runs again, and a slower second run hands the lead on)
+    confirm: int = 2
     max_trial_seconds: Optional[float] = None  # budget: summed trial wall time, seconds (None: none)
     max_device_hours: Optional[float] = None  # budget: trial wall time x launch.world_size, hours (None: none)
     dry_run: bool = False  # plan, print the shortlist and the measuring cost, launch nothing

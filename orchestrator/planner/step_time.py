@@ -8,8 +8,9 @@
   et al. 2021, sec. 2.2); ZB-V is counted as interleaved with its 2 stages per rank, an upper
   bound (Qi et al. 2024 reach ~0 only when forward, input-gradient and weight-gradient times
   balance). The trainer's own rule, :func:`trainers.rules.bubble_fraction`.
-- DP: a ring all-reduce moves 2 S (N-1)/N bytes per rank for S bytes of gradients (FSDP: two
-  parameter all-gathers and a gradient reduce-scatter, 1.5x, ZeRO paper sec. 7.2), over the
+- DP: a ring all-reduce moves 2 S (N-1)/N bytes per rank for S bytes of gradients (FSDP: the
+  parameters all-gathered as often as :func:`fsdp_gathers` says and the gradients reduce-scattered
+  once, 1.5x for one micro-batch, as the ZeRO paper's sec. 7.2 counts), over the
   intra-node link when the whole group sits in one node, else the inter-node link; a fraction
   ``dp_overlap`` of it, of the part that can overlap at all, hides behind the backward pass
   (never more than the backward takes), and none of it with ``comm.overlap=false``. DDP reduces a
@@ -19,8 +20,7 @@
   FSDP without overlap is one unit per stage, the root of the stage module, kept gathered from
   the forward through the backward
   (``reshard_after_forward=False`` in ``trainers/assembly.py``; FSDP2 never reshards a root
-  after the forward anyway, torch ``_fully_shard/_fsdp_state.py``): one all-gather and one
-  reduce-scatter per stage, 1x.
+  after the forward anyway, torch ``_fully_shard/_fsdp_state.py``).
 - TP (Megatron): per layer and microbatch 2 all-reduces of s b h forward and 2 backward (2 more
   when recomputing); sequence parallelism turns each into all-gather + reduce-scatter of the
   same volume (Korthikanti et al. sec. 4.2.2). Over the intra-node link, not overlapped.
@@ -33,8 +33,8 @@
   6.6-8.4 us and a per-step latency of 0.6 us over NVLink and 5 us over the network for tree
   and ring LL, quoted in NVIDIA/nccl#1334; NVIDIA/nccl-tests#123 measured an 8-byte ring
   all-reduce on a DGX A100 at 10 us on 2 GPUs and 34 us on 8); a pipeline send is one hop. Calls
-  per step: one per DDP bucket (``comm.bucket_mb``, with or without the DDP wrapper), three per
-  FSDP block with overlap and two per stage without, one per TP collective and pipeline send.
+  per step: one per DDP bucket (``comm.bucket_mb``, with or without the DDP wrapper), an
+  FSDP unit's gathers and its reduce-scatter, one per TP collective and pipeline send.
 - host fixed costs, what the host spends per call whatever the call computes (:class:`HostCosts`):
   ``layer_host_us`` per layer per micro-batch (the forward and backward's operator dispatch and
   kernel launches: about 100 operators a transformer layer at a few microseconds each, "each
@@ -110,11 +110,8 @@ def dp_traffic_bytes(
     if s.dp == 1:
         return 0.0
     pb, gb, _ = state_bytes(precision, planner)
-    if s.fsdp:
-        if not _overlap(comm):  # one root unit per stage: gathered once, gradients reduce-scattered
-            return (n_params * pb + n_params * gb) * (s.dp - 1) / s.dp
-        # all-gather for forward, again for backward, reduce-scatter of gradients
-        return (2 * n_params * pb + n_params * gb) * (s.dp - 1) / s.dp
+    if s.fsdp:  # every unit gathered fsdp_gathers times, its gradients reduce-scattered once
+        return (fsdp_gathers(s, _overlap(comm)) * n_params * pb + n_params * gb) * (s.dp - 1) / s.dp
     if comm.compression in ("fp16", "bf16"):
         return allreduce_bytes(n_params * 2, s.dp)
     if comm.compression == "powersgd":  # P and Q factors of every matrix, vectors in full
@@ -127,6 +124,22 @@ def dp_traffic_bytes(
     return allreduce_bytes(n_params * gb, s.dp)
 
 
+def fsdp_gathers(s: ParallelShape, overlap: bool) -> int:
+    """All-gathers of each FSDP unit per step, as torch 2.13's FSDP2 issues them under the trainer
+    (counted by ``tests/test_dp_collectives.py``). Without a pipeline, the micro-batches run one
+    after another and each unit reshards after its backward: a block unit (``comm.overlap``,
+    ``reshard_after_forward=True``) is gathered for each micro-batch's forward and again for its
+    backward, 2 m; the one root unit without overlap (``reshard_after_forward=False``) once per
+    micro-batch, m. Under a pipeline, torch's stage keeps the units gathered after every backward
+    but the last (``set_reshard_after_backward(False)``, ``pipelining/stage.py``): a block unit is
+    gathered for the first forward and for each backward, m + 1; the root, never resharded
+    between, once. The gradients are reduce-scattered once a step (on the last micro-batch)."""
+    m = s.microbatches
+    if s.pp > 1:
+        return m + 1 if overlap else 1
+    return 2 * m if overlap else m
+
+
 def dp_calls(
     m: ModelShape,
     s: ParallelShape,
@@ -136,12 +149,15 @@ def dp_calls(
     comm: DictConfig,
     planner: DictConfig,
 ) -> int:
-    """Data-parallel collectives per step: one per DDP bucket; FSDP with overlap gathers twice
-    and reduce-scatters once per block; without, one gather and one reduce-scatter per stage."""
+    """Data-parallel collectives per step: one per DDP bucket; per FSDP unit (with overlap each
+    block and each stage chunk's root, without one root per chunk), its gathers
+    (:func:`fsdp_gathers`) and one reduce-scatter."""
     if s.dp <= 1:
         return 0
     if s.fsdp:
-        return 3 * layers if _overlap(comm) else 2 * s.chunks_per_rank
+        overlap = _overlap(comm)
+        units = layers + s.chunks_per_rank if overlap else s.chunks_per_rank
+        return units * (fsdp_gathers(s, overlap) + 1)
     return math.ceil(n_params * state_bytes(precision, planner)[1] / (float(comm.bucket_mb) * MiB))
 
 
