@@ -127,6 +127,7 @@ class Point:
     diverged: Optional[str] = None
     labels: Dict[str, str] = field(default_factory=dict)  # what distinguishes it in a study: KEY -> value
     predicted_step_s: Optional[float] = None  # the planner's step time for it (orchestrator.planner)
+    repeats: Optional[int] = None  # runs it needs where not the study's (a search's best, confirmed)
     ci_rel: List[float] = field(default_factory=list)  # each run's step_time_ci_rel, where recorded
     se_rel: List[float] = field(default_factory=list)  # each run's step_time_se_rel, where recorded
 

@@ -15,10 +15,10 @@ on planted timings (``tests/test_auto_search.py``).
   the measured trials) passes it as ``refit``.
 - **Stop**: when no unmeasured candidate, credited with that error (its corrected prediction
   divided by ``exp(error)``), would beat the best measured by the win threshold, and the best has
-  been measured ``confirm`` times (before the rule may stop the search, the incumbent runs again:
-  the fastest of many short trials on a noisy host is often a lucky one, and a second run that
-  comes out slower hands the lead, and the next batch, to the others; its figure is the median of
-  its runs); or when a budget is spent (``max_trials``, ``max_trial_seconds``,
+  been measured ``confirm`` times (the incumbent runs again, in a slot of the next batch where a
+  batch holds several, else alone when the rule would stop: the fastest of many short trials on a
+  noisy host is often a lucky one, and a second run that comes out slower hands the lead to the
+  others; its figure is the median of its runs); or when a budget is spent (``max_trials``, ``max_trial_seconds``,
   ``max_device_hours``: trial-seconds times the devices each trial holds), a confirming run
   counted as a trial.
 - **Failure pruning**: a candidate that ran out of memory rules out every candidate of the same
@@ -203,11 +203,14 @@ class Search:
         again, where only its confirmation keeps the rule from stopping the search."""
         if self.stop_reason() is not None:
             return []
+        again = self.unconfirmed()
         if self._rule() is not None:
-            return [self.unconfirmed()]
+            return [again]
         n = self.batch
         if self.max_trials:
             n = min(n, self.max_trials - self.trials())
+        if again is not None and n > 1:  # a batch of several runs the best's confirmation in one slot
+            return [again, *self._rank()[: n - 1]]
         return self._rank()[: max(0, n)]
 
     def record(self, entry: Entry, measured_s: Optional[float], status: str = "finished", reason: str = "",
@@ -271,12 +274,14 @@ class Search:
                 self.log.append(f"stop: {reason}")
                 return reason
             again = [e.name for e in batch if e.status == "finished"]
+            new = [e.name for e in batch if e.status != "finished"]
             measure(batch)
             self.update()
             best = self.best()
             self.log.append(
-                f"{'measured again' if again else 'measured'} {', '.join(e.name for e in batch)}; "
-                f"best {best.name if best else '-'}; "
+                (f"measured {', '.join(new)}; " if new else "")
+                + (f"measured again {', '.join(again)}; " if again else "")
+                + f"best {best.name if best else '-'}; "
                 f"planner error {100 * (math.exp(self.error) - 1) if math.isfinite(self.error) else float('inf'):.0f}%"
             )
 

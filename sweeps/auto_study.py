@@ -241,14 +241,10 @@ def _measure(sweeper, arguments, cfg, devices, auto, batch, plan, info):
 
     def measure(entries: List[Entry]) -> None:
         pts = [runner.point(assignment(e.candidate)) for e in entries]
-        again = [p for e, p in zip(entries, pts) if e.status == "finished"]  # the best, confirmed
-        for p in again:
-            p.status = "pending"
-        runner.study.repeats = 1 + max([e.runs for e in entries if e.status == "finished"], default=0)
-        try:
-            runner.measure(pts)
-        finally:
-            runner.study.repeats = 1
+        for e, p in zip(entries, pts):
+            if e.status == "finished":  # the best, confirmed: one run more than it has
+                p.status, p.repeats = "pending", e.runs + 1
+        runner.measure(pts)
         for e, p in zip(entries, pts):
             points[id(e)] = p
             seconds = max(0.0, _seconds(info["uri"], p.run_ids) - e.trial_s)  # this batch's run(s)

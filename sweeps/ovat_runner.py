@@ -82,11 +82,14 @@ class Runner:
         """Fill the point from MLflow; returns how many repeats are still missing."""
         runs = self._finished(p)
         usable = [r for r in runs if results.value(r, self.study.objective) is not None]
-        p.fill(self.uri, usable[: self.study.repeats], self.study.objective)
+        p.fill(self.uri, usable[: self._repeats(p)], self.study.objective)
         if runs and not usable:
             p.status, p.reason = "failed", f"objective {self.study.objective} is not logged by its runs"
             return 0
-        return self.study.repeats - len(p.run_ids)
+        return self._repeats(p) - len(p.run_ids)
+
+    def _repeats(self, p: Point) -> int:
+        return p.repeats or self.study.repeats
 
     def measure(self, points: Sequence[Point]) -> None:
         """Finish every pending point: reuse finished runs, launch the missing repeats in one
@@ -104,7 +107,7 @@ class Runner:
                 )
         batch: List[List[str]] = []
         owners: List[Point] = []
-        for r in range(self.study.repeats):
+        for r in range(max((self._repeats(p) for p in todo), default=0)):
             for p in todo:
                 if need.get(id(p), 0) > r:
                     batch.append(list(p.overrides))
@@ -132,7 +135,7 @@ class Runner:
         else:
             p.status, p.reason = "crash", job_error or "no finished run came back"
         if p.run_ids:
-            p.reason = f"{len(p.run_ids)} of {self.study.repeats} repeats finished; {p.reason}"
+            p.reason = f"{len(p.run_ids)} of {self._repeats(p)} repeats finished; {p.reason}"
         p.run_ids = [r.info.run_id for r in failed] or p.run_ids
 
     def trial_seconds(self) -> float:

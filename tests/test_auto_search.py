@@ -241,9 +241,30 @@ def test_a_lucky_first_run_is_run_again_before_it_ends_the_search():
     assert best.candidate == steady and best.samples == [1.0, 1.02] and best.measured_s == pytest.approx(1.01)
     lucky_entry = next(e for e in twice.entries if e.candidate == lucky)
     assert lucky_entry.samples == [0.8, 1.6] and lucky_entry.measured_s == pytest.approx(1.2)
-    assert "no unmeasured candidate can win" in stop and twice.trials() == 4  # 2 + both confirmations
-    assert sum("measured again" in line for line in twice.log) == 2, twice.log
+    # slow is out of reach from the first batch on: each confirmation runs alone, and slow never
+    assert twice.trials() == 4 and "no unmeasured candidate can win" in stop
+    assert [line.split(";")[0] for line in twice.log[:3]] == [
+        f"measured {lucky.name}, {steady.name}",
+        f"measured again {lucky.name}",
+        f"measured again {steady.name}",
+    ], twice.log
     assert summary(twice)["best_runs"] == [1.0, 1.02]
+
+
+def test_a_batch_of_several_confirms_the_best_in_one_of_its_slots():
+    """While candidates can still win, the best's confirmation rides in the next batch beside the
+    next candidate instead of costing a batch of its own at the end."""
+    points = [cand(mb=b) for b in (1, 2, 3, 4, 5)]
+    truth = dict(zip(points, (1.0, 2.0, 1.5, 1.1, 1.2)))  # the planner's ratio varies 2x: wide error
+    s = Search.of([(c, 1.0 + 0.01 * i) for i, c in enumerate(points)], batch=3, confirm=2)
+    s.update()
+    for e in s.next_batch():
+        s.record(e, truth[e.candidate])
+    s.update()
+    second = s.next_batch()
+    assert [e.candidate for e in second] == [points[0], points[3], points[4]]  # the best, then the next two
+    s.run(measure_with(s, truth))
+    assert s.best().candidate == points[0] and s.best().runs == 2 and s.trials() == 6
 
 
 def test_a_confirmation_is_a_trial_of_the_budget_and_a_failed_one_keeps_the_figure():
