@@ -38,6 +38,12 @@ class ChipConfig:
     # GB/s, one direction, inside a node and across nodes (orchestrator/planner/step_time.py)
     intra_node_gbps: float = 0.0
     inter_node_gbps: float = 0.0
+    # planner-only: the fixed cost of one collective or send, us (the alpha of the alpha-beta
+    # model), as this chip's communication library and links give it; planner.collective_latency_us
+    # overrides it (what --calibrate writes). Accelerators: NCCL's tuning model puts a collective's
+    # base latency at 6.6-8.4 us and nccl-tests measured an 8-byte all-reduce at 10-34 us on 2-8
+    # A100s (NVIDIA/nccl#1334, nccl-tests#123); 30 us leaves room for the framework's call
+    collective_latency_us: float = 30.0
     dtypes: List[str] = field(default_factory=lambda: ["fp32"])
     unsupported_ops: List[str] = field(default_factory=list)
     decompositions: Dict[str, str] = field(default_factory=dict)
@@ -122,7 +128,9 @@ class PlannerConfig:
     # until `python -m orchestrator.plan --calibrate` fits them to finished trials in MLflow
     compute_efficiency: float = 0.5
     comm_efficiency: float = 0.7
-    collective_latency_us: float = 30.0  # fixed cost of one collective or send (alpha-beta model)
+    # fixed cost of one collective or send (alpha-beta model), us; None: the chip's
+    # (chip.collective_latency_us); a number (what --calibrate fits) overrides it
+    collective_latency_us: Optional[float] = None
     # ... plus this per log2(group size) of each collective (a tree's depth; a send is one hop):
     # NCCL's tuning model puts a step at 0.6 us over NVLink, 5 us over the network (tree/ring LL)
     collective_hop_us: float = 5.0

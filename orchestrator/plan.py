@@ -177,7 +177,7 @@ def header(cfg: DictConfig, cov: planner.OpCoverage, devices: Optional[int], cal
         + (f"; planned with {mapped}" if mapped else ""),
         f"efficiency: compute {float(cfg.planner.compute_efficiency):.3g}, "
         f"comm {float(cfg.planner.comm_efficiency):.3g},"
-        f" latency {float(cfg.planner.collective_latency_us):.3g} us per collective"
+        f" latency {planner.collective_latency_s(cfg.planner, c) * 1e6:.3g} us per collective"
         f" ({calibrated}); memory in GiB per device, buffers include the runtime reserve",
     ]
     if cov.unresolved:

@@ -70,6 +70,28 @@ def test_the_link_figures_are_the_planner_s_own_and_time_a_group_by_where_it_run
         assert dp_comm(slow, across) == pytest.approx(dp_comm(base, across)), key
 
 
+def test_the_collective_latency_is_the_chip_s_unless_the_planner_sets_one():
+    """chip.collective_latency_us is planner-only: every collective of a step pays it (the CPU's
+    gloo figure is 50x an accelerator's), and planner.collective_latency_us, what a calibration
+    writes, overrides it."""
+    m = ModelShape.of(preset("model", "gpt_tiny"))
+    s = ParallelShape(4, 1, 1, 1, 1, 64, fsdp=True)
+    prec, cpu = precision(), preset("chip", "cpu")
+
+    after = OmegaConf.merge(DEFAULTS.comm, {"overlap": False})  # no collective hidden: each one adds
+
+    def parts(chip, **planner_keys):
+        return planner.step_parts(m, s, prec, after, chip, planner_cfg(**planner_keys))
+
+    assert parts(cpu).latency_s == pytest.approx(cpu.collective_latency_us * 1e-6) == pytest.approx(1.5e-3)
+    assert parts(preset("chip", "a100_80gb")).latency_s == pytest.approx(30e-6)
+    assert parts(cpu, collective_latency_us=7.0).latency_s == pytest.approx(7e-6)
+    slow = planner.combine(parts(cpu), 0.5, 0.7).step_time_s
+    fast = planner.combine(parts(OmegaConf.merge(cpu, {"collective_latency_us": 30.0})), 0.5, 0.7).step_time_s
+    calls = parts(cpu).dp_calls
+    assert slow - fast == pytest.approx(calls * (1.5e-3 - 30e-6) * max(1.0, parts(cpu).share))
+
+
 def llama7b_on_910b(dp: int, tp: int, pp: int):
     c = OmegaConf.structured(Config)
     c.chip = preset("chip", "ascend910b")

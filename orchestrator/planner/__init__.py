@@ -82,6 +82,7 @@ from orchestrator.planner.step_time import (
     StepParts,
     allreduce_bytes,
     bubble_fraction,
+    collective_latency_s,
     combine,
     dp_calls,
     dp_traffic_bytes,
@@ -93,6 +94,7 @@ from orchestrator.planner.step_time import (
 __all__ = [
     "BYTES",
     "Calibration",
+    "collective_latency_s",
     "GiB",
     "HeldOut",
     "LayoutPlan",

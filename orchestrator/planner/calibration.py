@@ -188,12 +188,11 @@ def calibrate(
     its share at the configured value, for trial sets made to vary them, as
     ``bench/plan_calibration.py``'s). With as many trials as fitted factors the in-sample error is
     near zero by construction: judge the model on the held-out figures."""
-    if trials:
-        parts = [trial_parts(t.cfg) for t in trials]
-        measured = [float(t.step_time_s) for t in trials]
-        value, fitted = _fit(parts, measured, planner, fit_host, prior_weight)
-    else:
-        value, fitted = _configured(planner), []
+    if not trials:
+        raise ValueError("calibrate: no measured trial to fit to")
+    parts = [trial_parts(t.cfg) for t in trials]
+    measured = [float(t.step_time_s) for t in trials]
+    value, fitted = _fit(parts, measured, planner, fit_host, prior_weight)
     cal = Calibration(
         value["compute_efficiency"],
         value["comm_efficiency"],
@@ -205,25 +204,23 @@ def calibrate(
         fitted=[k for k in FACTORS if k in fitted],
         **{k: value[k] * 1e6 for k in HOST_FACTORS},
     )
-    if trials:
-        host = HostCosts(*(value[k] for k in HOST_FACTORS))
-        fitted_factors = (value["compute_efficiency"], value["comm_efficiency"], value["collective_latency_us"], host)
-        predicted = [combine(p, *fitted_factors).step_time_s for p in parts]
-        errors, cal.runs = _compare(trials, predicted)
-        cal.median_abs_rel_error = statistics.median(errors)
-        cal.spearman_rho = spearman_rho(predicted, measured)
+    host = HostCosts(*(value[k] for k in HOST_FACTORS))
+    fitted_factors = (value["compute_efficiency"], value["comm_efficiency"], value["collective_latency_us"], host)
+    predicted = [combine(p, *fitted_factors).step_time_s for p in parts]
+    errors, cal.runs = _compare(trials, predicted)
+    cal.median_abs_rel_error = statistics.median(errors)
+    cal.spearman_rho = spearman_rho(predicted, measured)
     cal.heldout = evaluate(cal, held_out) if held_out else None
     return cal
 
 
-def _configured(planner: DictConfig) -> Dict[str, float]:
+def _configured(planner: DictConfig, latency_s: float) -> Dict[str, float]:
     """The factors as ``planner`` configures them, by name (FACTORS), the latency and the host
-    terms in seconds."""
+    terms in seconds; ``latency_s`` the trials' own (the chip's, where the planner sets none)."""
     from dataclasses import astuple
 
     configured = (float(planner.compute_efficiency), float(planner.comm_efficiency))
-    latency = float(planner.collective_latency_us) * 1e-6
-    return dict(zip(FACTORS, (*configured, latency, *astuple(HostCosts.of(planner)))))
+    return dict(zip(FACTORS, (*configured, latency_s, *astuple(HostCosts.of(planner)))))
 
 
 def _fit(
@@ -238,7 +235,7 @@ def _fit(
     fitted: the grid first, then the Levenberg-Marquardt polish where there is more to fit."""
     import numpy as np
 
-    configured = _configured(planner)
+    configured = _configured(planner, parts[0].latency_s)
     y = np.array(measured)
     col = {k: np.array([float(getattr(p, k)) for p in parts])[:, None, None, None] for k in factor_fit.COLUMNS}
     fit_comm = bool((col["tp_calls"] + col["pp_calls"] + col["dp_calls"]).sum() > 0)

@@ -26,7 +26,8 @@
   same volume (Korthikanti et al. sec. 4.2.2). Over the intra-node link, not overlapped.
 - PP: each microbatch sends its activation forward and its gradient back across each of the
   rank's stage boundaries, not overlapped.
-- every collective costs ``collective_latency_us`` plus ``collective_hop_us`` per log2 of its
+- every collective costs the chip's ``collective_latency_us`` (or the planner's, a calibration's)
+  plus ``collective_hop_us`` per log2 of its
   group's size, plus its bytes over ``comm_efficiency`` of the chip's nominal per-device
   bandwidth (Hockney's alpha-beta model, the alpha growing with the group as a tree's depth:
   NCCL's own tuning model, ``src/graph/tuning.cc``, has a base latency per collective of
@@ -181,6 +182,13 @@ class HostCosts:
         )
 
 
+def collective_latency_s(planner: DictConfig, chip: DictConfig) -> float:
+    """Seconds one collective or send costs whatever its size: ``planner.collective_latency_us``
+    where set (a calibration's), else the chip's ``collective_latency_us``."""
+    us = planner.collective_latency_us
+    return float(chip.collective_latency_us if us is None else us) * 1e-6
+
+
 def hops(calls: int, group: int) -> float:
     """Latency steps of ``calls`` collectives over ``group`` ranks: log2 of the group each."""
     return calls * math.log2(group) if group > 1 else 0.0
@@ -296,7 +304,7 @@ def step_parts(
         pp_calls=pp_calls,
         dp_calls=n_dp,
         overlap=overlap,
-        latency_s=float(planner.collective_latency_us) * 1e-6,
+        latency_s=collective_latency_s(planner, chip),
         model_flops=flops,
         peak_flops=peak_all,
         tp_hops=hops(tp_calls, s.tp),
@@ -351,7 +359,7 @@ def combine(
     On a CPU host shared ``u = parts.share`` ways, the compute is ``compute / u`` at a rank's
     threads, the step the longer of the bubble-stretched busy time and ``u`` x it, and each
     collective ``max(1, u)`` times as long. ``latency_s`` and ``host`` default to the parts' own,
-    the configured planner.collective_latency_us and host terms."""
+    the configured collective latency (:func:`collective_latency_s`) and host terms."""
     lat = parts.latency_s if latency_s is None else latency_s
     h = parts.host if host is None else host
     u = parts.share
