@@ -7,7 +7,8 @@ One concern per module, each with its formulas and their sources in its docstrin
   parameter tensors each rank holds, by the trainer's own layout rules (``trainers/rules.py``);
 - :mod:`.memory`: memory per rank: model state (exact bytes per rank), activations
   (Korthikanti et al. 2022), communication buffers, the runtime reserve;
-- :mod:`.step_time`: step time: compute, pipeline bubble, DP/TP/PP communication (alpha-beta);
+- :mod:`.step_time`: step time: compute, pipeline bubble, DP/TP/PP communication (alpha-beta),
+  data parallelism's collectives counted in :mod:`.dp_comm` as the trainer issues them;
 - :mod:`.operators`: operator coverage against the chip's operator table, captured on meta tensors;
 - :mod:`.calibration`: the step-time factors fitted to measured trials in MLflow, and judged on
   held-out ones (the least squares themselves in :mod:`.factor_fit`);
@@ -36,6 +37,7 @@ from orchestrator.planner.calibration import (
     split_by_layout,
     trial_parts,
 )
+from orchestrator.planner.dp_comm import allreduce_bytes, dp_calls, dp_traffic_bytes
 from orchestrator.planner.measured import MeasuredTrial, config_from_params, measured_trials
 from orchestrator.planner.memory import (
     MemoryPlan,
@@ -80,12 +82,9 @@ from orchestrator.planner.shapes import (
 from orchestrator.planner.step_time import (
     StepEstimate,
     StepParts,
-    allreduce_bytes,
     bubble_fraction,
     collective_latency_s,
     combine,
-    dp_calls,
-    dp_traffic_bytes,
     model_flops,
     step_parts,
     step_time,
