@@ -239,8 +239,17 @@ def dp2_trace(tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("dp2_profile")
-    mp.spawn(_dp2_worker, args=(_free_port(), str(out)), nprocs=2)
-    return out
+    # once in a clean-clone CI run (2026-12-06, 1 of 4 that day, never in 14 runs alone or under
+    # load), rank 0 aborted right after the profiler stopped: "terminate called without an active
+    # exception" (SIGABRT, a C++ thread destroyed unjoined). The trace is what this file tests: a
+    # run that aborted is run once more, and a second abort fails the fixture
+    for attempt in (1, 2):
+        try:
+            mp.spawn(_dp2_worker, args=(_free_port(), str(out)), nprocs=2)
+            return out
+        except mp.ProcessExitedException as err:
+            if attempt == 2 or err.signal_name != "SIGABRT":
+                raise
 
 
 @pytest.mark.distributed
