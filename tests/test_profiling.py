@@ -239,10 +239,9 @@ def dp2_trace(tmp_path_factory):
     import torch.multiprocessing as mp
 
     out = tmp_path_factory.mktemp("dp2_profile")
-    # once in a clean-clone CI run (2026-12-06, 1 of 4 that day, never in 14 runs alone or under
-    # load), rank 0 aborted right after the profiler stopped: "terminate called without an active
-    # exception" (SIGABRT, a C++ thread destroyed unjoined). The trace is what this file tests: a
-    # run that aborted is run once more, and a second abort fails the fixture
+    # rank 0 once aborted right after the profiler stopped (SIGABRT, "terminate called without an
+    # active exception": 1 clean-clone run of 4 on 2026-12-06, never in 14 alone or under load);
+    # the trace is what is tested here: an aborted run is run once more, a second abort fails
     for attempt in (1, 2):
         try:
             mp.spawn(_dp2_worker, args=(_free_port(), str(out)), nprocs=2)
