@@ -18,9 +18,9 @@ on planted timings (``tests/test_auto_search.py``).
   been measured ``confirm`` times (the incumbent runs again, in a slot of the next batch where a
   batch holds several, else alone when the rule would stop: the fastest of many short trials on a
   noisy host is often a lucky one, and a second run that comes out slower hands the lead to the
-  others; its figure is the median of its runs); or when a budget is spent (``max_trials``, ``max_trial_seconds``,
-  ``max_device_hours``: trial-seconds times the devices each trial holds), a confirming run
-  counted as a trial.
+  others; its figure is the median of its runs); or when a budget is spent (``max_trials``,
+  ``max_trial_seconds``, ``max_device_hours``: trial-seconds times the devices each trial
+  holds), a confirming run counted as a trial.
 - **Failure pruning**: a candidate that ran out of memory rules out every candidate of the same
   layout, schedule and stages that needs at least as much memory: a micro-batch as large or
   larger (under a pipeline, only while both fill it: GPipe keeps the whole replica batch whatever
@@ -172,13 +172,10 @@ class Search:
 
     def stop_reason(self) -> Optional[str]:
         """Why the search stops now, or None to measure another batch (or confirm the best)."""
-        rule = self._rule()
-        if rule is not None and not self.pending() and self.unconfirmed() is None:
-            return rule
-        budget = self._budget()
-        if budget is not None:
-            return budget
-        return rule if self.unconfirmed() is None else None
+        rule = self._rule() if self.unconfirmed() is None else None
+        if rule is not None and not self.pending():
+            return rule  # everything measured: said before a budget, as it is the reason
+        return self._budget() or rule
 
     def _rule(self) -> Optional[str]:
         """Why the search has nothing left worth measuring, the best's confirmation aside."""

@@ -243,7 +243,7 @@ def _measure(sweeper, arguments, cfg, devices, auto, batch, plan, info):
         pts = [runner.point(assignment(e.candidate)) for e in entries]
         for e, p in zip(entries, pts):
             if e.status == "finished":  # the best, confirmed: one run more than it has
-                p.status, p.repeats = "pending", e.runs + 1
+                p.repeats = e.runs + 1
         runner.measure(pts)
         for e, p in zip(entries, pts):
             points[id(e)] = p

@@ -91,10 +91,14 @@ class Runner:
     def _repeats(self, p: Point) -> int:
         return p.repeats or self.study.repeats
 
+    def _unfinished(self, p: Point) -> bool:
+        return p.status == "pending" or (p.status == tracking.STATUS_OK and len(p.run_ids) < self._repeats(p))
+
     def measure(self, points: Sequence[Point]) -> None:
-        """Finish every pending point: reuse finished runs, launch the missing repeats in one
-        batch (interleaved, so drift spreads over all candidates), read the results back."""
-        todo = [p for p in OrderedDict((id(p), p) for p in points).values() if p.status == "pending"]
+        """Finish every pending point, and every finished one asked for more runs than it has
+        (``Point.repeats``): reuse finished runs, launch the missing repeats in one batch
+        (interleaved, so drift spreads over all candidates), read the results back."""
+        todo = [p for p in OrderedDict((id(p), p) for p in points).values() if self._unfinished(p)]
         need: Dict[int, int] = {}
         for p in todo:
             missing = self._refresh(p)

@@ -86,8 +86,8 @@ def _count(model, spec, rank: int, microbatches: int) -> dict:
     return dict(seen, ddp_buckets=model.sync.in_backward + model.sync.after_backward)
 
 
-def _planned(cfg) -> List[Tuple[int, float, int]]:
-    """Per rank: the planner's DP collectives, bytes sent, and the rank's pp coordinate."""
+def _planned(cfg) -> Tuple[List[Tuple[int, float, int]], ParallelShape]:
+    """Per rank: the planner's DP collectives, bytes sent, and the rank's pp coordinate; the shape."""
     m = ModelShape.of(cfg.model)
     s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg))
     per_pp = []
@@ -96,7 +96,7 @@ def _planned(cfg) -> List[Tuple[int, float, int]]:
         n = planner.rank_params(m, s, rc)
         calls = planner.dp_calls(m, s, n, len(rc.layers), cfg.precision, cfg.comm, cfg.planner)
         per_pp.append((calls, planner.dp_traffic_bytes(m, s, n, cfg.precision, cfg.comm, cfg.planner), r))
-    return [per_pp[s.coords(r)[1]] for r in range(s.world)]
+    return [per_pp[s.coords(r)[1]] for r in range(s.world)], s
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +104,9 @@ def counted(tmp_path_factory):
     planned, by_world, dp = {}, {}, {}
     for name, (world, over) in CASES.items():
         cfg = trial.prepare(composed([*BASE, *over]))
-        assert layout(cfg).world_size == world, name
-        planned[name], dp[name] = _planned(cfg), layout(cfg).dp
-        s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg))
+        planned[name], s = _planned(cfg)
+        assert s.world == world, name
+        dp[name] = s.dp
         by_world.setdefault(world, []).append((name, trial.build_spec(cfg), s.microbatches))
     GlobalHydra.instance().clear()
     got = {}

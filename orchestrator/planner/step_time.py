@@ -27,9 +27,9 @@
 - PP: each microbatch sends its activation forward and its gradient back across each of the
   rank's stage boundaries, not overlapped.
 - every collective costs the chip's ``collective_latency_us`` (or the planner's, a calibration's)
-  plus ``collective_hop_us`` per log2 of its
-  group's size, plus its bytes over ``comm_efficiency`` of the chip's nominal per-device
-  bandwidth (Hockney's alpha-beta model, the alpha growing with the group as a tree's depth:
+  plus ``collective_hop_us`` per log2 of its group's size, plus its bytes over
+  ``comm_efficiency`` of the chip's nominal per-device bandwidth (Hockney's alpha-beta model,
+  the alpha growing with the group as a tree's depth:
   NCCL's own tuning model, ``src/graph/tuning.cc``, has a base latency per collective of
   6.6-8.4 us and a per-step latency of 0.6 us over NVLink and 5 us over the network for tree
   and ring LL, quoted in NVIDIA/nccl#1334; NVIDIA/nccl-tests#123 measured an 8-byte ring
