@@ -100,9 +100,11 @@ def _run_presets(presets: list, common: list, base: dict, planned: dict, index: 
         index.write_text(json.dumps(planned))
 
 
-def _print_table(args: argparse.Namespace, cal, presets: list, planned: dict, peaks: dict) -> None:
+def _print_table(args: argparse.Namespace, cal, presets: list, planned: dict, trials: list) -> None:
     """The fit's factors, then per run (fastest first) its preset, role, measured and predicted
-    step time, error and planned and peak memory, then the in-sample verdict."""
+    step time, error, measured and predicted host_busy (the share of the host's cores the ranks
+    kept busy) and planned and peak memory, then the in-sample verdict."""
+    by_id = {t.run_id: t for t in trials}
     factors = ", ".join(f"{k}={v:.4g}" + ("" if k in cal.fitted else " (kept)") for k, v in cal.values().items())
     print(
         f"model={args.model} steps={args.steps} global_batch=16 seq_len=128 "
@@ -110,15 +112,18 @@ def _print_table(args: argparse.Namespace, cal, presets: list, planned: dict, pe
     )
     width = max([10] + [len(p) + 2 for p in presets])
     print(
-        f"{'preset':<{width}}{'role':<10}{'measured_s':>12}{'predicted_s':>13}{'error':>8}{'planned_gb':>12}"
-        f"{'peak_gb':>10}"
+        f"{'preset':<{width}}{'role':<10}{'measured_s':>12}{'predicted_s':>13}{'error':>8}{'busy':>6}{'pred':>6}"
+        f"{'planned_gb':>12}{'peak_gb':>10}"
     )
     rows = [("fitted", r) for r in cal.runs] + [("held-out", r) for r in (cal.heldout.runs if cal.heldout else [])]
     for role, run in sorted(rows, key=lambda x: x[1]["measured_s"]):
         preset, plan_gb = planned.get(run["run_id"], ("?", float("nan")))
+        t = by_id[run["run_id"]]
+        busy = (t.host_busy or float("nan"), planner.estimate(cal, t.cfg).host_busy)
         print(
             f"{preset:<{width}}{role:<10}{run['measured_s']:>12.4f}{run['predicted_s']:>13.4f}"
-            f"{100 * run['rel_error']:>7.0f}%{plan_gb:>12.2f}{peaks.get(run['run_id']) or float('nan'):>10.2f}"
+            f"{100 * run['rel_error']:>7.0f}%{busy[0]:>6.2f}{busy[1]:>6.2f}{plan_gb:>12.2f}"
+            f"{t.peak_mem_gb or float('nan'):>10.2f}"
         )
     print(
         f"fitted:   median |relative error| {100 * cal.median_abs_rel_error:.1f}%, Spearman rho "
@@ -197,7 +202,7 @@ def main() -> None:
         return
     planner_cfg = _compose(common).planner  # the factors' starting values, for both fits below
     cal = planner.calibrate(fit, planner_cfg, held_out=held, fit_host="all")
-    _print_table(args, cal, presets, planned, {t.run_id: t.peak_mem_gb for t in trials})
+    _print_table(args, cal, presets, planned, trials)
     _print_out_of_sample(cal, fit, held, trials, planner_cfg)
     print(f"MLflow store: {uri}")
 

@@ -12,12 +12,19 @@ metrics, every ``trainer.log_every`` steps: one wait for the last event, then ho
 A step's time is then the device's time between its start and end markers: its kernels and any
 gap the device spent waiting for the host within the step, which is what a user of the device
 pays. Work between steps (a metric flush, a checkpoint, an evaluation) is outside both markers.
+
+The clock also reads the process's CPU time (``time.process_time``: every thread of the process,
+user and system) at both ends of a step: what the host worked for the step, against which the
+step's wall time tells how much of it the host spent waiting (on a collective, a pipeline peer, a
+device). :func:`host_figures` turns every rank's figure into the trial's.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
 import time
-from typing import List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -30,16 +37,20 @@ class StepClock:
         self._mod = getattr(torch, device.type) if self.events else None
         self._open: Tuple = ()
         self._laps: List[Tuple] = []
+        self.cpu_s: List[float] = []  # the process's CPU seconds of each step stopped, in order
+        self._cpu0 = 0.0
 
     def start(self) -> None:
         """A step begins (call before its first kernel is queued)."""
         self._open = (self._mark(), time.perf_counter())
+        self._cpu0 = time.process_time()
 
     def stop(self) -> float:
         """The step's work is queued; returns the host's seconds for it: on the CPU the step's
         time, elsewhere a progress bar's figure (the step's own time comes from :meth:`collect`)."""
         start, host_t0 = self._open
         end = self._mark()
+        self.cpu_s.append(time.process_time() - self._cpu0)
         host = time.perf_counter() - host_t0 if self.events else end - start
         self._laps.append((start, end, host))
         return host
@@ -61,3 +72,23 @@ class StepClock:
         ev = self._mod.Event(enable_timing=True)
         ev.record()
         return ev
+
+
+def cores_per_worker() -> float:
+    """This worker's share of its host's cores: the host's over the workers on it."""
+    return (os.cpu_count() or 1) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def host_figures(cpu_s: Sequence[float], cores: Sequence[float], step_time_s: float) -> Dict[str, float]:
+    """The trial's host figures from every rank's median CPU seconds per step (``cpu_s``) and its
+    share of its host's cores (``cores``, :func:`cores_per_worker`), in rank order:
+    ``host_cpu_s`` the busiest rank's CPU seconds per step (near the step time on an accelerator:
+    the host, not the device, sets the pace), ``host_busy`` the share of the hosts' cores the
+    ranks kept busy over a step of ``step_time_s`` (on the CPU: below 1, the rest is waiting)."""
+    total = sum(cores)
+    busy = sum(cpu_s) / (total * step_time_s) if total > 0 and step_time_s > 0 else float("nan")
+    return {"host_cpu_s": max(cpu_s), "host_busy": busy}
+
+
+def median_or_zero(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0

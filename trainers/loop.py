@@ -24,7 +24,7 @@ from trainers import data as data_mod
 from trainers import faults, measure, ranks, rules
 from trainers import optim as optim_mod
 from trainers.assembly import RankModel
-from trainers.clock import StepClock
+from trainers.clock import StepClock, cores_per_worker, host_figures, median_or_zero
 from trainers.config import TrialSpec
 from trainers.memory import model_state_bytes
 from trainers.model import GPT, count_params
@@ -86,6 +86,7 @@ class Loop:
         self.it = iter(self.loader)
         self.profile_logged = False
         self.timed_steps: List[float] = []  # this rank's step times after the warm-up (trainer.measure=adaptive)
+        self.timed_cpu: List[float] = []  # and its CPU seconds of the same steps
         # a loss scaler expects overflows; where the optimizer has no device-side skip (foreach on an
         # NPU) its step reads the overflow flag back (trainers/optim.py: step)
         self.sync_skip = self.scaler.enabled
@@ -165,7 +166,7 @@ class Loop:
         self.profiler.step(step)
         if self.profiler.result is not None and not self.profile_logged:
             # as soon as the window closes: a trial that dies later (a lost node) keeps its traces
-            _log_profile(self.profiler, self.reporter)
+            self.profiler.log_to(self.reporter)
             self.profile_logged = True
         self.monitor.begin(step)
         self.tracker.reset()
@@ -174,8 +175,10 @@ class Loop:
         lr = lr_at(step, targs)
         loss, grad_norm, found_inf, first_bad, stats = self._update(lr)
         host_dt = self.clock.stop()
-        if self.clock.host_timed and step >= targs.warmup_steps:  # on every rank: the count gates a collective
-            self.timed_steps.append(host_dt)
+        if step >= targs.warmup_steps:
+            self.timed_cpu.append(self.clock.cpu_s[-1])
+            if self.clock.host_timed:  # on every rank: the count gates a collective
+                self.timed_steps.append(host_dt)
         self._record(step, lr, loss, grad_norm, found_inf, first_bad, stats)
         if self.rank == 0:
             self.reporter.on_step(step, host_dt)
@@ -294,6 +297,8 @@ class Loop:
             "held": {k: ranks.gather(float(held.get(k, 0)), device, world) for k in ("params", "grads", "optimizer")},
             "param_sum_final": param_checksum(self.model.params, self.model.mesh),
             "tp_divergence": self.model.tp_replica_divergence(),
+            "cpu_s": ranks.gather(median_or_zero(self.timed_cpu), device, world),
+            "cores": ranks.gather(cores_per_worker(), device, world),
         }
 
     def summary(self) -> Optional[Dict[str, Any]]:
@@ -318,7 +323,7 @@ class Loop:
             summary.update({k: prof[k][worst] for k in METRIC_KEYS})
             summary["profile_rank"] = worst
             if not self.profile_logged:  # the window ran to the last step
-                _log_profile(self.profiler, self.reporter)
+                self.profiler.log_to(self.reporter)
         self.reporter.finish(summary)
         summary["losses"] = [r["loss"] for r in history]
         summary["grad_norms"] = [r["grad_norm"] for r in history]
@@ -359,18 +364,8 @@ class Loop:
             "grad_collectives_after_backward": model.sync.after_backward,
             "fsdp_units": model.fsdp_units,
             "tp_replica_divergence": g["tp_divergence"],
+            **host_figures(g["cpu_s"], g["cores"], median),
         }
-
-
-def _log_profile(profiler: Profiler, reporter: Reporter) -> None:
-    """This rank's trace and op table as the run's ``profile/`` artifacts (rank 0's reporter;
-    other ranks hold a null one)."""
-    table = os.path.join(profiler.out_dir, "top_ops.txt")
-    with open(table, "w") as f:
-        f.write(profiler.result.table)
-    for path in (profiler.result.trace_path, table):
-        if path:
-            reporter.log_artifact(path, "profile")
 
 
 def count_params_global(margs) -> int:

@@ -175,6 +175,16 @@ class Profiler:
         if self.device.type in ("cuda", "npu"):
             getattr(torch, self.device.type).synchronize()
 
+    def log_to(self, reporter) -> None:
+        """This rank's trace and op table as the run's ``profile/`` artifacts (rank 0's reporter;
+        other ranks hold a null one)."""
+        table = os.path.join(self.out_dir, "top_ops.txt")
+        with open(table, "w") as f:
+            f.write(self.result.table)
+        for path in (self.result.trace_path, table):
+            if path:
+                reporter.log_artifact(path, "profile")
+
     def step(self, step: int) -> None:
         if not self.enabled:
             return

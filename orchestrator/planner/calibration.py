@@ -26,7 +26,7 @@ from orchestrator.planner.factor_fit import FACTORS, HOST_FACTORS
 from orchestrator.planner.measured import MeasuredTrial
 from orchestrator.planner.rank_stats import kendall_tau, spearman_rho
 from orchestrator.planner.shapes import ModelShape, ParallelShape
-from orchestrator.planner.step_time import HostCosts, StepParts, combine, step_parts
+from orchestrator.planner.step_time import HostCosts, StepEstimate, StepParts, combine, step_parts
 
 
 @dataclass
@@ -99,9 +99,14 @@ def _compare(trials: Sequence[MeasuredTrial], predicted: Sequence[float]) -> Tup
     return errors, runs
 
 
+def estimate(cal: Calibration, cfg: DictConfig) -> StepEstimate:
+    """The step-time model's estimate of ``cfg`` with the calibrated factors."""
+    return combine(trial_parts(cfg), *_factors(cal))
+
+
 def predict(cal: Calibration, cfg: DictConfig) -> float:
     """Step time of ``cfg`` with the calibrated factors."""
-    return combine(trial_parts(cfg), *_factors(cal)).step_time_s
+    return estimate(cal, cfg).step_time_s
 
 
 def _held_out(trials: Sequence[MeasuredTrial], predicted: List[float]) -> HeldOut:
@@ -192,7 +197,10 @@ def calibrate(
         raise ValueError("calibrate: no measured trial to fit to")
     parts = [trial_parts(t.cfg) for t in trials]
     measured = [float(t.step_time_s) for t in trials]
-    value, fitted = _fit(parts, measured, planner, fit_host, prior_weight)
+    # a CPU trial's measured host_busy tells its work from its waits; an accelerator's host runs
+    # ahead of its device, so there the figure says nothing the model predicts
+    busy = [float(t.host_busy) if t.host_busy and not p.host_async else float("nan") for t, p in zip(trials, parts)]
+    value, fitted = _fit(parts, measured, busy, planner, fit_host, prior_weight)
     cal = Calibration(
         value["compute_efficiency"],
         value["comm_efficiency"],
@@ -226,6 +234,7 @@ def _configured(planner: DictConfig, latency_s: float) -> Dict[str, float]:
 def _fit(
     parts: Sequence[StepParts],
     measured: Sequence[float],
+    busy: Sequence[float],
     planner: DictConfig,
     fit_host: Union[bool, str],
     prior_weight: float,
@@ -236,11 +245,11 @@ def _fit(
     import numpy as np
 
     configured = _configured(planner, parts[0].latency_s)
-    y = np.array(measured)
+    y, b = np.array(measured), np.array(busy)
     col = {k: np.array([float(getattr(p, k)) for p in parts])[:, None, None, None] for k in factor_fit.COLUMNS}
     fit_comm = bool((col["tp_calls"] + col["pp_calls"] + col["dp_calls"]).sum() > 0)
     host = tuple(configured[k] for k in HOST_FACTORS)
-    best = factor_fit.grid_fit(col, y, host, tuple(configured[k] for k in FACTORS[:3]), fit_comm)
+    best = factor_fit.grid_fit(col, y, b, host, tuple(configured[k] for k in FACTORS[:3]), fit_comm)
     fitted = ["compute_efficiency"] + (["comm_efficiency", "collective_latency_us"] if fit_comm else [])
     shares = _host_shares(parts, *best, HostCosts(*host))
     host_us = {k: configured[k] * 1e6 for k in HOST_FACTORS}
@@ -248,7 +257,7 @@ def _fit(
     value = dict(zip(FACTORS, (*best, *host)))
     if fit_comm or host_fit:
         fitted += host_fit
-        value.update(factor_fit.joint_fit(col, y, value, fitted, host_fit, configured, prior_weight))
+        value.update(factor_fit.joint_fit(col, y, b, value, fitted, host_fit, configured, prior_weight))
     return value, fitted
 
 

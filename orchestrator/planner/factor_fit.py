@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from typing import Dict, Tuple
 
+from orchestrator.planner.step_time import model
+
 # the factors in the order the fit carries them; the host terms are fitted only where the trials
 # can tell them (see ``calibration.calibrate``)
 FACTORS = (
@@ -23,7 +25,7 @@ FACTORS = (
 )
 HOST_FACTORS = FACTORS[3:]  # in HostCosts' field order
 
-# a trial's step parts (``step_time.StepParts`` fields) that the array model reads, one column each
+# a trial's step parts (``step_time.StepParts`` fields) that the model reads, one column each
 COLUMNS = (
     "compute_s",
     "backward_s",
@@ -43,32 +45,42 @@ COLUMNS = (
     "overlap",
     "tp_layer_passes",
     "share",
+    "tp_wait",
+    "pp_wait",
+    "dp_wait",
+    "tp_lockstep",
+    "dp_lockstep",
 )
 
 
 def array_model(c, ec, en, lat, layer, stage, hop, tp_layer):
-    """``step_time.combine`` over arrays of trials (and grids of factors): ``c`` maps each of
-    ``COLUMNS`` to an array of the trials' step parts."""
+    """:func:`step_time.model` over arrays of trials (and grids of factors): ``c`` maps each of
+    ``COLUMNS`` to an array of the trials' step parts; (step times, predicted host_busy)."""
     import numpy as np
 
     with np.errstate(divide="ignore", invalid="ignore"):  # a factor driven to 0 by a step: refused by the fit
-        u = c["share"]
-        compute = c["compute_s"] / ec / u
-        layer_host = c["layer_passes"] * layer + c["tp_layer_passes"] * tp_layer
-        busy = np.where(c["host_async"] > 0, np.maximum(compute, layer_host), compute + layer_host)
-        pipeline = (busy + c["stage_passes"] * stage) * np.maximum(1.0 / (1.0 - c["bubble"]), u)
-        wait = np.maximum(1.0, u)
-        tp = wait * (c["tp_comm_s"] / en + c["tp_calls"] * lat + c["tp_hops"] * hop)
-        pp = wait * (c["pp_comm_s"] / en + c["pp_calls"] * lat + c["pp_hops"] * hop)
-        dp = wait * (c["dp_comm_s"] / en + c["dp_calls"] * lat + c["dp_hops"] * hop)
-        exposed = dp - np.minimum(c["overlap"] * dp, c["backward_s"] / ec)
-        return pipeline + tp + pp + exposed
+        r = model({**c, "host_async": c["host_async"] > 0}, ec, en, lat, layer, stage, hop, tp_layer, ops=np)
+        return r["step"], r["host_busy"]
 
 
-def grid_fit(col, y, host, configured, fit_comm: bool) -> Tuple[float, float, float]:
+def log_residuals(c, y, busy, theta):
+    """log(predicted / measured) of each trial's step time, then of its host_busy where measured
+    (``busy`` NaN elsewhere): the fit weighs a trial's split between work and waiting as much as
+    its time."""
+    import numpy as np
+
+    step, pred_busy = array_model(c, *theta)
+    shape = np.broadcast_shapes(step.shape, np.shape(busy))
+    known = np.isfinite(busy)
+    r_busy = np.where(known, np.log(pred_busy / np.where(known, busy, 1.0)), 0.0)
+    return np.log(step / y), np.broadcast_to(r_busy, shape)
+
+
+def grid_fit(col, y, busy, host, configured, fit_comm: bool) -> Tuple[float, float, float]:
     """Compute efficiency, link efficiency and per-collective latency (s) by least squares on
-    log(predicted / measured) over a log-spaced grid, refined five times around its best point;
-    the host terms held at ``host``. Without a communicating trial only the compute efficiency."""
+    log(predicted / measured) of the step times and host_busy (:func:`log_residuals`) over a
+    log-spaced grid, refined five times around its best point; the host terms held at ``host``.
+    Without a communicating trial only the compute efficiency."""
     import numpy as np
 
     ec0, en0, lat0 = configured
@@ -79,7 +91,8 @@ def grid_fit(col, y, host, configured, fit_comm: bool) -> Tuple[float, float, fl
         ec = axes[0][:, None, None]
         en = axes[1][None, :, None] if fit_comm else np.array(en0)
         lat = axes[2][None, None, :] if fit_comm else np.array(lat0)
-        loss = (np.log(array_model(col, ec, en, lat, *host) / y[:, None, None, None]) ** 2).sum(axis=0)
+        r_step, r_busy = log_residuals(col, y[:, None, None, None], busy[:, None, None, None], (ec, en, lat, *host))
+        loss = (r_step**2).sum(axis=0) + (r_busy**2).sum(axis=0)
         i, j, k = np.unravel_index(int(np.argmin(loss)), loss.shape)
         best = (float(axes[0][i]), float(axes[1][j]) if fit_comm else en0, float(axes[2][k]) if fit_comm else lat0)
         ranges = [
@@ -88,7 +101,7 @@ def grid_fit(col, y, host, configured, fit_comm: bool) -> Tuple[float, float, fl
     return best
 
 
-def joint_fit(col, y, value, names, host_fit, configured, prior_weight) -> Dict[str, float]:
+def joint_fit(col, y, busy, value, names, host_fit, configured, prior_weight) -> Dict[str, float]:
     """``names`` polished together by Levenberg-Marquardt, each of ``host_fit`` held to its value in
     ``value`` by a weak prior (``prior_weight`` per unit of log ratio); the better of two starts."""
     import numpy as np
@@ -98,7 +111,8 @@ def joint_fit(col, y, value, names, host_fit, configured, prior_weight) -> Dict[
 
     def residuals(*theta):
         v = {**value, **dict(zip(names, theta))}
-        r = np.log(array_model(flat, *(v[k] for k in FACTORS)) / y)
+        r_step, r_busy = log_residuals(flat, y, busy, tuple(v[k] for k in FACTORS))
+        r = np.concatenate([r_step, r_busy[np.isfinite(busy)]])
         if not host_fit or prior_weight <= 0:
             return r
         own = np.log(np.array([v[k] for k in host_fit])) - prior
@@ -109,7 +123,15 @@ def joint_fit(col, y, value, names, host_fit, configured, prior_weight) -> Dict[
     # express as a slow link is found from the second start
     starts = [[value[k] for k in names], [configured.get(k, value[k]) for k in names]]
     polished = [polish(residuals, s0) for s0 in starts]
-    return dict(zip(names, min(polished, key=lambda t: float((residuals(*t) ** 2).sum()))))
+    best = min(polished, key=lambda t: float((residuals(*t) ** 2).sum()))
+    # a factor the polish drove to its floor has no gradient left in log space to come back by,
+    # though the fit may have passed its basin on the way (the step's max() of two bounds has
+    # kinks): polished once more with those factors restarted at ten times their configured values
+    floor = math.exp(-30.0)
+    if any(v < floor for v in best):
+        again = polish(residuals, [10 * configured.get(k, v) if v < floor else v for k, v in zip(names, best)])
+        best = min((best, again), key=lambda t: float((residuals(*t) ** 2).sum()))
+    return dict(zip(names, best))
 
 
 def polish(residuals, start, iterations: int = 100):

@@ -1,5 +1,6 @@
 """Measured trials read back from MLflow for the planner's calibration: each finished trial's
-config rebuilt from its params onto the schema, with its measured median step time."""
+config rebuilt from its params onto the schema, with its measured median step time and the share
+of its host's cores its ranks kept busy."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ class MeasuredTrial:
     cfg: DictConfig
     step_time_s: float
     peak_mem_gb: Optional[float] = None
+    host_busy: Optional[float] = None  # share of the host's cores its ranks kept busy (trainers/clock.py)
 
 
 def _parse_param(text: str) -> Any:
@@ -79,6 +81,12 @@ def measured_trials(uri: str, experiment: str, chip: Optional[str] = None) -> Li
         except Exception:  # noqa: BLE001 - a run from an older schema: not usable for fitting
             continue
         out.append(
-            MeasuredTrial(run.info.run_id, cfg, float(metrics["step_time_median_s"]), metrics.get("peak_mem_gb"))
+            MeasuredTrial(
+                run.info.run_id,
+                cfg,
+                float(metrics["step_time_median_s"]),
+                metrics.get("peak_mem_gb"),
+                metrics.get("host_busy"),
+            )
         )
     return out

@@ -55,10 +55,14 @@
   threads, at least one (``trainers/runtime.py select_device``), so the node's demand is
   ``u = workers x threads / cores`` cores a core. A rank's busy time is its share of the compute at
   its threads' speed (``compute / u``) plus its host costs; the step is the longer of the rank's
-  critical path (busy time stretched by the bubble) and the node's throughput bound (``u`` x busy:
-  workers beyond the cores time-share them, and fill each other's bubbles); every collective waits
-  ``max(1, u)`` times as long for its members to be scheduled. On an accelerator ``u`` is 1 and
-  this is the usual ``busy / (1 - bubble)``.
+  critical path (busy time stretched by the bubble, plus its collectives, each stretched by how
+  far its group's own demand for cores exceeds the host's) and the node's throughput bound
+  (``u`` x busy: workers beyond the cores time-share them and fill each other's bubbles and
+  waits, except the waits of a collective every worker of the node is in). On an accelerator
+  ``u`` and the stretch are 1 and this is the usual ``busy / (1 - bubble)`` + communication.
+  The calibration fits the split between work and wait against the trainer's measured
+  ``host_busy`` (the share of the host's cores its ranks kept busy over a step) as well as the
+  step time.
 
 Every factor can be fitted to finished trials in MLflow
 (:func:`orchestrator.planner.calibration.calibrate`).
@@ -67,12 +71,12 @@ Every factor can be fitted to finished trials in MLflow
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from omegaconf import DictConfig
 
+from orchestrator.planner.cpu_host import cpu_share, group_wait, lockstep
 from orchestrator.planner.dp_comm import allreduce_bytes, dp_calls, dp_traffic_bytes
 from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, rank_contents, rank_params
 from trainers import rules
@@ -127,16 +131,6 @@ def hops(calls: int, group: int) -> float:
     return calls * math.log2(group) if group > 1 else 0.0
 
 
-def cpu_share(s: ParallelShape, chip: DictConfig, planner: DictConfig) -> float:
-    """Cores each core of a CPU host is asked for (``u`` above): a node's workers times the
-    threads the trainer gives each, over the host's cores; 1 on an accelerator."""
-    if chip.device_type != "cpu":
-        return 1.0
-    cores = int(planner.get("host_cores", 0) or 0) or (os.cpu_count() or 1)
-    workers = min(s.world, max(1, int(chip.devices_per_node)))
-    return workers * max(1, cores // workers) / cores
-
-
 def layer_passes(layers: int, s: ParallelShape, checkpointing: bool) -> float:
     """Layer forward+backward dispatches per step on the busiest rank (a recomputed forward is a third more)."""
     return layers * s.microbatches * (4.0 / 3.0 if checkpointing else 1.0)
@@ -174,6 +168,14 @@ class StepParts:
     host: HostCosts = HostCosts(0.0, 0.0, 0.0)  # the configured host costs
     tp_layer_passes: float = 0.0  # layer_passes under tensor parallelism, else 0
     share: float = 1.0  # cores asked of each host core (cpu_share); 1 on an accelerator
+    # per group (TP, a pipeline send's pair, DP): how many times as long its collectives wait for
+    # their members to be scheduled (group_wait), and 1.0 where the group holds every worker of
+    # its node (lockstep: while it waits, the node's cores idle)
+    tp_wait: float = 1.0
+    pp_wait: float = 1.0
+    dp_wait: float = 1.0
+    tp_lockstep: float = 0.0
+    dp_lockstep: float = 0.0
 
 
 @dataclass
@@ -193,6 +195,7 @@ class StepEstimate:
     latency_s: float
     host_s: float = 0.0  # host fixed costs not hidden behind the device's work, bubble included
     host: HostCosts = HostCosts(0.0, 0.0, 0.0)
+    host_busy: float = 0.0  # share of the host's cores busy over the step (a CPU "device"; trainers' host_busy)
 
 
 def step_parts(
@@ -249,6 +252,11 @@ def step_parts(
         host=host or HostCosts.of(planner),
         tp_layer_passes=layer_passes(layers, s, m.checkpointing) if s.tp > 1 else 0.0,
         share=cpu_share(s, chip, planner),
+        tp_wait=group_wait(s.tp, s, chip, planner),
+        pp_wait=group_wait(2 if s.pp > 1 else 1, s, chip, planner),
+        dp_wait=group_wait(s.dp, s, chip, planner),
+        tp_lockstep=lockstep(s.tp, s, chip),
+        dp_lockstep=lockstep(s.dp, s, chip),
     )
 
 
@@ -277,6 +285,52 @@ def _mesh_comm(
     return tp_s, tp_calls, pp_s, pp_calls
 
 
+class _Scalars:
+    """:func:`model`'s operations on plain floats (``numpy`` passes its own, on arrays)."""
+
+    maximum = staticmethod(max)
+    minimum = staticmethod(min)
+
+    @staticmethod
+    def where(cond, a, b):
+        return a if cond else b
+
+
+def model(c: Mapping[str, Any], ec, en, lat, layer, stage, hop, tp_layer, ops: Any = _Scalars) -> Dict[str, Any]:
+    """The step-time model over one trial's :class:`StepParts` fields ``c`` (``vars(parts)``) or
+    over arrays of many trials' (``ops=numpy``, what the calibration fits with): the step's
+    parts at compute efficiency ``ec``, link efficiency ``en``, per-collective latency ``lat``
+    and the host terms (seconds), by name. Documented at :func:`combine`."""
+    u = c["share"]
+    compute = c["compute_s"] / ec / u
+    layer_host = c["layer_passes"] * layer + c["tp_layer_passes"] * tp_layer
+    busy = ops.where(c["host_async"], ops.maximum(compute, layer_host), compute + layer_host)
+    busy = busy + c["stage_passes"] * stage
+    stretch = 1.0 / (1.0 - c["bubble"])
+    tp, pp, dp = (c[k + "_comm_s"] / en + c[k + "_calls"] * lat + c[k + "_hops"] * hop for k in ("tp", "pp", "dp"))
+    waited = dp * c["dp_wait"]
+    exposed = waited - ops.minimum(c["overlap"] * waited, c["backward_s"] / ec)
+    critical = busy * stretch + tp * c["tp_wait"] + pp * c["pp_wait"] + exposed
+    # the host's cores: every worker's busy time, and the waits of a collective every worker of
+    # the node is in (no one is left to run while it waits)
+    lockstep = tp * c["tp_lockstep"] + (dp - ops.minimum(c["overlap"] * dp, c["backward_s"] / ec)) * c["dp_lockstep"]
+    throughput = u * busy + lockstep
+    step = ops.maximum(critical, throughput)
+    return {
+        "compute": compute,
+        "busy": busy,
+        "stretch": stretch,
+        "tp": tp * c["tp_wait"],
+        "pp": pp * c["pp_wait"],
+        "dp": waited,
+        "exposed": exposed,
+        "critical": critical,
+        "throughput": throughput,
+        "step": step,
+        "host_busy": u * busy / step,
+    }
+
+
 def combine(
     parts: StepParts,
     compute_efficiency: float,
@@ -289,47 +343,44 @@ def combine(
     (bandwidth x comm_efficiency)`` (Hockney's alpha-beta model); per layer and micro-batch the
     host costs ``host.layer_s`` (and ``host.tp_layer_s`` more under TP), hidden behind the compute
     on an accelerator up to the compute's length, per stage chunk and micro-batch ``host.stage_s``.
+
     On a CPU host shared ``u = parts.share`` ways, the compute is ``compute / u`` at a rank's
-    threads, the step the longer of the bubble-stretched busy time and ``u`` x it, and each
-    collective ``max(1, u)`` times as long. ``latency_s`` and ``host`` default to the parts' own,
-    the configured collective latency (:func:`collective_latency_s`) and host terms."""
+    threads, and the step is the longer of two bounds. The critical path: a rank's busy time
+    stretched by the bubble, plus its collectives, each stretched by its group's own demand for
+    cores (``parts.tp_wait``...: a group of more single-thread ranks than cores waits for its
+    members to be scheduled in turn). The host's throughput: ``u`` x the busy time (every worker's
+    work shares the cores), plus the waits of the collectives whose group holds every worker of
+    the node (``parts.tp_lockstep``, ``dp_lockstep``): while such a collective waits, no worker
+    has anything to run. A collective of a smaller group waits while other groups' ranks (other
+    pipeline stages, other replicas) use the cores: measured on the 2-core host, ``tp2`` keeps
+    77% of it busy and ``tp2pp2`` 89%, at a shorter step (``host_busy``, trainers/clock.py).
+    On an accelerator ``u`` and every wait factor are 1, no group is in lockstep, and this is the
+    usual ``busy / (1 - bubble) + communication``. ``latency_s`` and ``host`` default to the
+    parts' own, the configured collective latency (:func:`collective_latency_s`) and host terms."""
     lat = parts.latency_s if latency_s is None else latency_s
     h = parts.host if host is None else host
-    u = parts.share
-    compute = parts.compute_s / compute_efficiency / u
-    layer_host = parts.layer_passes * h.layer_s + parts.tp_layer_passes * h.tp_layer_s
-    busy = max(compute, layer_host) if parts.host_async else compute + layer_host
-    busy += parts.stage_passes * h.stage_s
-    stretch = max(1.0 / (1.0 - parts.bubble), u)  # the critical path, or the host's throughput
-    pipeline = compute * stretch
-    host_s = (busy - compute) * stretch
-    wait = max(1.0, u)
-    tp, pp, dp = (
-        wait * (x / comm_efficiency + calls * lat + n_hops * h.hop_s)
-        for x, calls, n_hops in (
-            (parts.tp_comm_s, parts.tp_calls, parts.tp_hops),
-            (parts.pp_comm_s, parts.pp_calls, parts.pp_hops),
-            (parts.dp_comm_s, parts.dp_calls, parts.dp_hops),
-        )
-    )
-    exposed = dp - min(parts.overlap * dp, parts.backward_s / compute_efficiency)
-    step = pipeline + host_s + tp + pp + exposed
+    r = model(vars(parts), compute_efficiency, comm_efficiency, lat, h.layer_s, h.stage_s, h.hop_s, h.tp_layer_s)
+    step, compute, busy = r["step"], r["compute"], r["busy"]
+    # the breakdown along the bound that sets the step: the critical path's parts, or the host's
+    scale = r["stretch"] if r["critical"] >= r["throughput"] else parts.share
+    pipeline, host_s = compute * scale, (busy - compute) * scale
     return StepEstimate(
         step_time_s=step,
         mfu=parts.model_flops / (step * parts.peak_flops) if step > 0 else 0.0,
         bubble_fraction=parts.bubble,
-        comm_share=(tp + pp + exposed) / step if step > 0 else 0.0,
+        comm_share=max(0.0, step - pipeline - host_s) / step if step > 0 else 0.0,
         compute_s=pipeline,
-        tp_comm_s=tp,
-        pp_comm_s=pp,
-        dp_comm_s=dp,
-        dp_exposed_s=exposed,
+        tp_comm_s=r["tp"],
+        pp_comm_s=r["pp"],
+        dp_comm_s=r["dp"],
+        dp_exposed_s=r["exposed"],
         model_flops=parts.model_flops,
         compute_efficiency=compute_efficiency,
         comm_efficiency=comm_efficiency,
         latency_s=lat,
         host_s=host_s,
         host=h,
+        host_busy=r["host_busy"],
     )
 
 
