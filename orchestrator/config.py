@@ -148,9 +148,10 @@ class PlannerConfig:
     # with a tp2 group; bench/plan_calibration.py fits it). Hidden behind an accelerator's kernels
     # when shorter than them, like layer_host_us
     tp_layer_host_us: float = 2000.0
-    # CPU chip only: the host cores that a node's worker processes share (0: this machine's
-    # os.cpu_count()). The trainer gives each worker cores // workers threads (at least one), so
-    # workers beyond the cores time-share them (planner/step_time.py)
+    # CPU chip only: the host cores that a node's worker processes share (0: the cores this
+    # process may use, trainers/host.py: its affinity and its cgroup's CPU quota). The trainer
+    # gives each worker cores // workers threads (at least one), so workers beyond the cores
+    # time-share them (planner/step_time.py)
     host_cores: int = 0
     dp_overlap: float = 0.8  # fraction of DP gradient traffic hidden behind backward (comm.overlap)
     # channels an NCCL communicator opens (NCCL picks 2-32 by topology; 16 is typical of NVLink

@@ -47,3 +47,27 @@ def test_host_busy_is_the_ranks_work_over_the_hosts_cores():
     # such hosts (a core each) the same work fills half of them
     assert host_figures([0.3, 0.2, 0.3, 0.2], [0.5] * 4, 0.8)["host_busy"] == pytest.approx(0.625)
     assert host_figures([0.3, 0.2, 0.3, 0.2], [1.0] * 4, 0.8)["host_busy"] == pytest.approx(0.3125)
+
+
+def test_the_host_s_cores_are_the_fewest_of_machine_affinity_and_cgroup_quota(tmp_path):
+    """A container's CPU limit caps the cores a worker may use (cgroup v2 and v1 files as the kernel
+    writes them), so the trainer's threads and host_busy are counted against it, not the machine."""
+    from trainers.host import host_cores
+
+    machine = host_cores(str(tmp_path / "none"))  # no control files: affinity and cpu_count alone
+    assert machine >= 1
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.max").write_text("150000 100000\n")  # a pod limited to 1.5 cores
+    assert host_cores(str(v2)) == min(machine, 1.5)
+    (v2 / "cpu.max").write_text("max 100000\n")  # no limit
+    assert host_cores(str(v2)) == machine
+    (v2 / "cpu.max").write_text("50000 100000\n")  # half a core: still one thread's worth
+    assert host_cores(str(v2)) == 1.0
+    v1 = tmp_path / "v1" / "cpu"
+    v1.mkdir(parents=True)
+    (v1 / "cpu.cfs_quota_us").write_text("100000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert host_cores(str(tmp_path / "v1")) == 1.0
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert host_cores(str(tmp_path / "v1")) == machine

@@ -73,9 +73,10 @@ def test_cli_trains_and_mlflow_records_the_run(tmp_path):
     for key in ("step_time_median_s", "tokens_per_s_median", "final_loss", "peak_mem_gb", "n_params", "mfu"):
         assert key in m and m[key] > 0, key
     assert m["final_loss"] == pytest.approx(losses[-1])
-    # one process with the host's cores: busy nearly the whole step (a few percent of it is the
-    # step's own bookkeeping around the timed part), never more than its cores allow
-    assert 0 < m["host_cpu_s"] and 0.5 < m["host_busy"] <= 1.05
+    # one process with the host's cores: never busier than its cores allow. How far below 1 it is
+    # depends on what else the host runs (the suite's other workers share these cores), so the
+    # figure's meaning is tested on controlled work in test_step_clock.py
+    assert 0 < m["host_cpu_s"] and 0 < m["host_busy"] <= 1.05
     assert (tmp_path / "mlartifacts").is_dir()
     from mlflow.tracking import MlflowClient
 

@@ -28,6 +28,8 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from trainers.host import host_cores
+
 
 class StepClock:
     def __init__(self, device: torch.device):
@@ -76,7 +78,7 @@ class StepClock:
 
 def cores_per_worker() -> float:
     """This worker's share of its host's cores: the host's over the workers on it."""
-    return (os.cpu_count() or 1) / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return host_cores() / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def host_figures(cpu_s: Sequence[float], cores: Sequence[float], step_time_s: float) -> Dict[str, float]:

@@ -7,17 +7,17 @@ every figure here is neutral (1, 1, 0)."""
 
 from __future__ import annotations
 
-import os
 from typing import Tuple
 
 from omegaconf import DictConfig
 
 from orchestrator.planner.shapes import ParallelShape
+from trainers.host import host_cores
 
 
 def _host(s: ParallelShape, chip: DictConfig, planner: DictConfig) -> Tuple[int, int, int]:
     """A CPU host's cores, the trial's workers on it and the threads the trainer gives each."""
-    cores = int(planner.get("host_cores", 0) or 0) or (os.cpu_count() or 1)
+    cores = int(planner.get("host_cores", 0) or 0) or int(host_cores())
     workers = min(s.world, max(1, int(chip.devices_per_node)))
     return cores, workers, max(1, cores // workers)
 
