@@ -25,10 +25,11 @@ row's model in this process, same micro-batch, accumulation, sequence length, dt
 setting, timed by device events with one synchronisation at the end.
 
 Per row the table gives the median step time after the warm-up, tokens/s, the MFU against the
-detected chip's dense peak for the dtype, the planner's memory per rank against what the
-allocator allocated and reserved and what the device itself reports used, the profile split, the
-plain loop's step time and MFU (same FLOPs, same peak) and ``trainer_over_plain`` (the trainer's
-MFU over the plain loop's, = plain step time / trainer step time).
+detected chip's dense peak for the dtype, the planner's step time for the same config (default
+efficiencies, no fit) and its ratio to the measured one, the planner's memory per rank against
+what the allocator allocated and reserved and what the device itself reports used, the profile
+split, the plain loop's step time and MFU (same FLOPs, same peak) and ``trainer_over_plain``
+(the trainer's MFU over the plain loop's, = plain step time / trainer step time).
 
 The estimate of the real mode on one H200, from FLOPs at about 40% of the 989 TFLOP/s dense bf16
 peak (396 TFLOP/s): gpt2_small 0.86 GFLOP a token (6N + 12 L d T) x 16,384 tokens = 14 TFLOP, 36
@@ -184,6 +185,11 @@ def run_row(row: dict, dry: bool, uri: str, steps: int, workdir: Path) -> dict:
         # what the caching allocator holds of the plan (no runtime reserve, no NCCL buffers)
         "planned_alloc_gb": alloc,
         "alloc_plan_over_measured": alloc / s["peak_mem_gb"] if alloc and s.get("peak_mem_gb") else None,
+        # the planner's step time for this config, with its default efficiencies (no fit)
+        "planned_step_s": (pre.get("step") or {}).get("step_time_s"),
+        "step_plan_over_measured": (pre.get("step") or {}).get("step_time_s", 0.0) / s["step_time_median_s"]
+        if s.get("step_time_median_s") and (pre.get("step") or {}).get("step_time_s")
+        else None,
         "compute_share": s.get("compute_share"),
         "comm_share": s.get("comm_share"),
         "trial_wall_s": time.perf_counter() - t0,

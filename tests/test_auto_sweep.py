@@ -45,11 +45,11 @@ def interrupted_after_first_trial(args, cwd, uri, timeout=600.0):
     )  # fmt: skip
     t0 = time.monotonic()
     try:
+        # polled in the store's own table, not through an MLflow client (which takes seconds on a
+        # busy host, long enough for the whole search to end before the signal)
         while time.monotonic() - t0 < timeout and proc.poll() is None:
-            time.sleep(1.0)
-            if (cwd / "mlruns.db").exists() and any(
-                r.data.tags.get("trial.status") == "finished" for r in _trial_runs(uri)
-            ):
+            time.sleep(0.2)
+            if _a_trial_finished(cwd / "mlruns.db"):
                 proc.send_signal(signal.SIGTERM)
                 break
         proc.wait(timeout=120)
@@ -57,6 +57,20 @@ def interrupted_after_first_trial(args, cwd, uri, timeout=600.0):
         if proc.poll() is None:
             proc.kill()
     return _trial_runs(uri)
+
+
+def _a_trial_finished(db) -> bool:
+    import contextlib
+    import sqlite3
+
+    if not db.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1.0)) as con:
+            row = con.execute("SELECT 1 FROM tags WHERE key = 'trial.status' AND value = 'finished' LIMIT 1")
+            return row.fetchone() is not None
+    except sqlite3.Error:  # the store not created yet, or locked by a writer: the next poll
+        return False
 
 
 def _trial_runs(uri):

@@ -43,6 +43,7 @@ def test_device_check_dry_mode_runs_every_row_and_fills_every_column(tmp_path):
     for row in rows.values():
         assert row["status"] == "finished" and row["step_s"] > 0 and row["reserved_gb"] > 0
         assert row["planned_gb"] / row["reserved_gb"] == pytest.approx(row["plan_over_reserved"])
+        assert row["planned_step_s"] / row["step_s"] == pytest.approx(row["step_plan_over_measured"])
         # every row profiled: shares of one window
         assert 0 < row["compute_share"] and row["compute_share"] + row["comm_share"] <= 1
         # the plain loop beside it: same FLOPs and peak, so the MFU ratio is the step-time ratio

@@ -54,7 +54,8 @@ ALLOWED_FROM_TRAINERS = {
     # the key of a step row's wall-clock time, part of the one reporting interface (typing only)
     ("trainers.reporter", "ROW_TIME"),
 }
-TORCH_FREE = ("trainers.config", "trainers.rules")
+# (trainers.host: the cores a worker may use, which the planner's CPU host counts the same way)
+TORCH_FREE = ("trainers.config", "trainers.rules", "trainers.host")
 
 
 def test_orchestrator_uses_only_the_worker_entry_and_the_schema_of_trainers():

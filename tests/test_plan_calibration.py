@@ -49,7 +49,7 @@ def test_more_microbatches_cost_more_host_time():
     layer_s = float(DEFAULTS.planner.layer_host_us) * 1e-6
     assert a.host_s == pytest.approx(6 * 4 * layer_s) and b.host_s == pytest.approx(6 * 16 * layer_s)
     assert b.step_time_s - a.step_time_s == pytest.approx(6 * 12 * layer_s)
-    # llama2_7b on a 910B: ~20 s of kernels hide 4 x 32 dispatches of 300 us; 1000x longer ones show
+    # llama2_7b on a 910B: ~20 s of kernels hide 4 x 32 dispatches of the default; 300 ms ones show
     m7 = ModelShape.of(_model("llama2_7b"))
     one = ParallelShape(1, 1, 1, 4, 1, 4096)
     assert planner.combine(_parts(m7, one), 0.5, 0.7).host_s == 0.0

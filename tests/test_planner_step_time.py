@@ -128,10 +128,16 @@ def synthetic_trials(layouts, seed: int, sigma: float, prefix: str):
 
 def test_calibration_recovers_known_efficiencies_and_reports_its_error():
     """Noise-free step times over layouts that communicate: the fit finds all three factors
-    back and its error on them is ~0; off by a factor, the error is reported, not hidden."""
+    back, and the per-layer host terms (at their defaults in the truth, over 2% of some trial's
+    time, so fitted too) at their true values; its error on them is ~0; off by a factor, the
+    error is reported, not hidden."""
     trials = synthetic_trials(FIT, seed=0, sigma=0.0, prefix="run")
     cal = planner.calibrate(trials, DEFAULTS.planner)
-    assert cal.n_fitted == 3 and cal.n_runs == 6 and cal.heldout is None
+    assert cal.n_runs == 6 and cal.heldout is None
+    factors = {"compute_efficiency", "comm_efficiency", "collective_latency_us", "layer_host_us", "tp_layer_host_us"}
+    assert set(cal.fitted) == factors
+    for key in ("layer_host_us", "tp_layer_host_us"):
+        assert getattr(cal, key) == pytest.approx(float(DEFAULTS.planner[key]), rel=0.01)
     assert cal.compute_efficiency == pytest.approx(0.37, rel=0.01)
     assert cal.comm_efficiency == pytest.approx(0.55, rel=0.02)
     assert cal.collective_latency_us == pytest.approx(80, rel=0.05)
