@@ -81,15 +81,21 @@ CHAINED = "The above exception was the direct cause of the following exception"
 PIPELINE_WRAPPER = re.compile(r"\[Stage \d+\] failed to run (forward|backward)")
 
 
+def wrapped_cause(message: str, stack: str) -> str:
+    """A pipeline stage's wrapper says little (torch's pipelining: "[Stage 0] failed to run
+    forward: args: ... kwargs: {}"); the error it was raised from, first in the traceback
+    ``stack``, says why: its line, or "" where ``message`` is no such wrapper."""
+    if PIPELINE_WRAPPER.search(message) and CHAINED in stack:
+        return error_line(stack.split(CHAINED)[0])
+    return ""
+
+
 def _rank_line(failure: Any) -> str:
     message, cause = failure.message, ""
     if isinstance(message, dict):  # the elastic error file: {"message": ..., "extraInfo": ...}
-        # a wrapper's message says little (torch's pipelining: "[Stage 0] failed to run forward:
-        # args: ... kwargs: {}"); the error it was raised from, first in the traceback, says why
         stack = str((message.get("extraInfo") or {}).get("py_callstack") or "")
         message = message.get("message", "")
-        if CHAINED in stack and PIPELINE_WRAPPER.search(str(message)):
-            cause = error_line(stack.split(CHAINED)[0])
+        cause = wrapped_cause(str(message), stack)
     message = str(message or "")
     if failure.signal_name() and failure.signal_name() != "<N/A>" and (not message or "Signal" in message):
         return f"killed by {failure.signal_name()}"

@@ -9,7 +9,7 @@ import time
 from typing import Dict, List, Tuple
 
 from orchestrator import ray_pool
-from orchestrator.launch import error_summary
+from orchestrator.launch import error_line, error_summary, wrapped_cause
 
 _ACTOR_DEATHS = ("ActorDiedError", "RayActorError", "ActorUnavailableError")
 _COLLATERAL = ("connection reset by peer", "connection closed by peer", "broken pipe", "connection refused")
@@ -23,6 +23,17 @@ def _death(failure: Exception) -> str:
     if found:
         return f"worker process died ({found.group(1)}: {found.group(2)})"
     return f"worker process died ({type(failure).__name__})"
+
+
+def _summary(failure: Exception) -> str:
+    """A rank's error in one line. Ray Train hands a rank's exception back wrapped with its
+    traceback as text (``UserExceptionWithTraceback``, whose ``str`` is ``traceback.format_exc``),
+    so the line is read from that text: the error a pipeline stage's wrapper was raised from
+    where there is one, else the traceback's own last line ("RuntimeError: ...")."""
+    text = str(failure)
+    if type(failure).__name__ == "UserExceptionWithTraceback":
+        return wrapped_cause(text, text) or error_line(text)
+    return error_summary(failure)
 
 
 def failure_reason(err: Exception) -> str:
@@ -39,7 +50,7 @@ def failure_reason(err: Exception) -> str:
             return f"rank {rank}: {_death(failure)}"
     ranked = sorted(failures.items(), key=lambda kv: (any(c in str(kv[1]).lower() for c in _COLLATERAL), kv[0]))
     rank, failure = ranked[0]
-    return f"rank {rank}: {error_summary(failure)}"
+    return f"rank {rank}: {_summary(failure)}"
 
 
 def _pong() -> bool:

@@ -224,3 +224,35 @@ def test_a_hung_rank_ends_the_trial_timeout_on_ray_and_the_sweep_finishes(tmp_pa
     assert run.data.tags["trial.status"] == "timeout", run.data.tags.get("trial.reason")
     assert run.data.tags["trial.reason"].startswith("rank 1:"), run.data.tags["trial.reason"]
     _assert_ended_by_the_timeout(uri, run)
+
+
+def test_the_ray_reason_is_the_cause_a_pipeline_wrapper_was_raised_from():
+    """Ray Train returns a rank's exception with its traceback as text (its own
+    UserExceptionWithTraceback, built here as its worker builds it); a pipeline stage's wrapper
+    there is read past to the error it chained, a plain error is its traceback's last line."""
+    from types import SimpleNamespace
+
+    from ray.train.v2._internal.util import construct_user_exception_with_traceback
+
+    from orchestrator.ray_failures import failure_reason
+
+    cause = "params_.size() == rebuilt_param_indices_.size() INTERNAL ASSERT FAILED"
+
+    def raised(fn):
+        try:
+            fn()
+        except Exception as e:  # as Ray Train's worker catches the training function's error
+            return construct_user_exception_with_traceback(e)
+
+    def stage():
+        try:
+            raise RuntimeError(cause)
+        except RuntimeError as inner:
+            wrapper = "\n  [Stage 0] failed to run forward:\n  args: ('Tensor(...)',)\n  kwargs: {}"
+            raise RuntimeError(wrapper) from inner
+
+    def plain():
+        raise ValueError("the corpus ended")
+
+    assert failure_reason(SimpleNamespace(worker_failures={0: raised(stage)})) == f"rank 0: RuntimeError: {cause}"
+    assert failure_reason(SimpleNamespace(worker_failures={1: raised(plain)})) == "rank 1: ValueError: the corpus ended"
