@@ -169,6 +169,7 @@ def run_row(row: dict, dry: bool, uri: str, steps: int, workdir: Path) -> dict:
     parts = pre.get("memory_gb") or {}
     terms = [parts.get(k) for k in ("params", "grads", "optimizer", "activations")]
     alloc = sum(terms) if None not in terms else None
+    planned_step = (pre.get("step") or {}).get("step_time_s")
     out = {
         **row,
         "chip": cfg.chip.name,
@@ -186,9 +187,9 @@ def run_row(row: dict, dry: bool, uri: str, steps: int, workdir: Path) -> dict:
         "planned_alloc_gb": alloc,
         "alloc_plan_over_measured": alloc / s["peak_mem_gb"] if alloc and s.get("peak_mem_gb") else None,
         # the planner's step time for this config, with its default efficiencies (no fit)
-        "planned_step_s": (pre.get("step") or {}).get("step_time_s"),
-        "step_plan_over_measured": (pre.get("step") or {}).get("step_time_s", 0.0) / s["step_time_median_s"]
-        if s.get("step_time_median_s") and (pre.get("step") or {}).get("step_time_s")
+        "planned_step_s": planned_step,
+        "step_plan_over_measured": planned_step / s["step_time_median_s"]
+        if planned_step and s.get("step_time_median_s")
         else None,
         "compute_share": s.get("compute_share"),
         "comm_share": s.get("comm_share"),

@@ -72,7 +72,8 @@ def check_dry(rows: list[dict], comm: dict) -> list[str]:
     real mode reports, the plain loop's included (MFU stays unknown on an emulated or CPU chip
     only if the chip has no peak)."""
     problems = []
-    needed = ["step_s", "tokens_per_s", "mfu", "planned_step_s", "step_plan_over_measured", "planned_gb", "reserved_gb", "allocated_gb", "device_used_gb"]
+    needed = ["step_s", "tokens_per_s", "mfu", "planned_step_s", "step_plan_over_measured"]
+    needed += ["planned_gb", "reserved_gb", "allocated_gb", "device_used_gb"]
     needed += ["plan_over_reserved", "planned_alloc_gb", "alloc_plan_over_measured"]
     needed += ["plain_step_s", "plain_mfu", "trainer_over_plain"]
     for r in rows:

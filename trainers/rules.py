@@ -115,6 +115,13 @@ def bubble_fraction(pp: int, microbatches: int, schedule: str, virtual_stages: i
     return (pp - 1) / (pp - 1 + v * microbatches)
 
 
+def worker_threads(cores: float, workers: int) -> int:
+    """The intra-op threads the trainer gives each of a CPU node's ``workers`` processes: the
+    node's whole ``cores`` split among them, at least one each (``runtime.select_device``; the
+    planner's CPU host counts the same, ``orchestrator/planner/cpu_host.py``)."""
+    return max(1, int(cores) // max(1, workers))
+
+
 @dataclass(frozen=True)
 class BatchSplit:
     """How one replica's share of the global batch runs: ``count`` forward passes of ``size``

@@ -60,7 +60,7 @@ def select_device(rt: RuntimeConfig, local_rank: int) -> torch.device:
         # share the host's cores among this node's workers instead of each taking all of them
         # (torchrun sets OMP_NUM_THREADS=1 for the same reason; the launcher API does not)
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, int(host_cores()) // local_world))
+        torch.set_num_threads(rules.worker_threads(host_cores(), local_world))
     if rt.torch_plugin:
         importlib.import_module(rt.torch_plugin)  # torch_npu registers the "npu" device
     if rt.device_type == "cuda":

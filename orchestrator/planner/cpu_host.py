@@ -1,25 +1,34 @@
 """A CPU host shared by a trial's worker processes, as the step-time model sees it
 (:mod:`orchestrator.planner.step_time`): each worker gets ``cores // workers`` threads, at least
-one (``trainers/runtime.py select_device``), so the node asks ``u = workers x threads / cores``
-cores of each core; a collective's members are scheduled in turn where they ask more cores than
-the host has; a collective every worker is in idles the host while it waits. On an accelerator
-every figure here is neutral (1, 1, 0)."""
+one (``trainers.rules.worker_threads``, as ``trainers/runtime.py select_device`` gives them), so
+the node asks ``u = workers x threads / cores`` cores of each core; a collective's members are
+scheduled in turn where they ask more cores than the host has; a collective every worker is in
+idles the host while it waits. On an accelerator every figure here is neutral (1, 1, 0)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Tuple
 
 from omegaconf import DictConfig
 
 from orchestrator.planner.shapes import ParallelShape
+from trainers import rules
 from trainers.host import host_cores
+
+
+@functools.lru_cache(maxsize=1)
+def _this_host_cores() -> int:
+    """This machine's cores, read once: the search plans thousands of points, and each read of the
+    affinity and the cgroup files costs ~80 us."""
+    return int(host_cores())
 
 
 def _host(s: ParallelShape, chip: DictConfig, planner: DictConfig) -> Tuple[int, int, int]:
     """A CPU host's cores, the trial's workers on it and the threads the trainer gives each."""
-    cores = int(planner.get("host_cores", 0) or 0) or int(host_cores())
+    cores = int(planner.get("host_cores", 0) or 0) or _this_host_cores()
     workers = min(s.world, max(1, int(chip.devices_per_node)))
-    return cores, workers, max(1, cores // workers)
+    return cores, workers, rules.worker_threads(cores, workers)
 
 
 def cpu_share(s: ParallelShape, chip: DictConfig, planner: DictConfig) -> float:
