@@ -83,10 +83,12 @@ def row_config(row, micro_batch: int, schedule: str, virtual_stages: int):
             mlp="gelu",
             pos_emb="learned",
             tie_embeddings=True,
-            attn_impl="fused",
+            attn_impl="decomposed",
+            dropout=0.1,
             activation_checkpointing=True,
         ),
     )
+    cfg.trainer.compile = True
     d = gpus // (t * p)
     cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp = d, t, p
     cfg.trainer.global_batch, cfg.trainer.micro_batch, cfg.trainer.seq_len = batch, micro_batch, SEQ

@@ -44,6 +44,11 @@ class ChipConfig:
     # base latency at 6.6-8.4 us and nccl-tests measured an 8-byte all-reduce at 10-34 us on 2-8
     # A100s (NVIDIA/nccl#1334, nccl-tests#123); 30 us leaves room for the framework's call
     collective_latency_us: float = 30.0
+    # planner-only: the memory's nominal bandwidth, GB/s (the datasheet's HBM figure): the
+    # non-matmul operators' traffic takes bytes / (this x planner.memory_efficiency)
+    # (orchestrator/planner/traffic.py); 0: not modelled (the CPU preset: a core's elementwise
+    # work is in its fitted compute efficiency)
+    hbm_gbps: float = 0.0
     dtypes: List[str] = field(default_factory=lambda: ["fp32"])
     unsupported_ops: List[str] = field(default_factory=list)
     decompositions: Dict[str, str] = field(default_factory=dict)
@@ -124,10 +129,18 @@ class PlannerConfig:
     # slack (an estimate, not a measurement) ...
     runtime_overhead_gb: float = 1.5
     overhead_fraction: float = 0.05  # ... plus this fraction of states + activations (fragmentation)
-    # achieved fraction of peak (model FLOPs) and of nominal link bandwidth; uncalibrated guesses
-    # until `python -m orchestrator.plan --calibrate` fits them to finished trials in MLflow
-    compute_efficiency: float = 0.5
+    # achieved fraction of peak by the matmuls (model FLOPs; the other operators are the memory
+    # term below) and of nominal link bandwidth; `python -m orchestrator.plan --calibrate` fits them
+    # to finished trials in MLflow. 0.66: one H200 training llama_1b (device-bound, 98.6% busy)
+    # took 0.531-0.535 s a step eager and 0.384 s compiled (docs/benchmarks.md): with the memory
+    # term both are planned within 2% at 0.66 (alone, the two steps asked 0.44 and 0.61); the link
+    # efficiency is a guess
+    compute_efficiency: float = 0.66
     comm_efficiency: float = 0.7
+    # achieved fraction of chip.hbm_gbps by the elementwise and reduction kernels (norms,
+    # activations, softmax, casts): an assumption; streaming kernels reach 80-90% of an HBM
+    # GPU's nominal bandwidth
+    memory_efficiency: float = 0.8
     # fixed cost of one collective or send (alpha-beta model), us; None: the chip's
     # (chip.collective_latency_us); a number (what --calibrate fits) overrides it
     collective_latency_us: Optional[float] = None

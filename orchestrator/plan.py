@@ -166,6 +166,8 @@ def space_report(res: search.SpaceResult, top: int) -> str:
 def header(cfg: DictConfig, cov: planner.OpCoverage, devices: Optional[int], calibrated: str) -> str:
     c, t = cfg.chip, cfg.trainer
     mapped = ", ".join(f"model.{k}={v}" for k, v in cov.model_overrides.items())
+    hbm = float(c.hbm_gbps or 0)
+    memory = f" memory {hbm:g} GB/s x {float(cfg.planner.memory_efficiency):.3g}," if hbm > 0 else ""
     lines = [
         f"{cfg.model.name} on {c.name}: {float(c.memory_gb):g} GB x headroom {float(cfg.planner.headroom):g}"
         f" = {float(c.memory_gb) * float(cfg.planner.headroom):.1f} GB usable per device"
@@ -176,7 +178,7 @@ def header(cfg: DictConfig, cov: planner.OpCoverage, devices: Optional[int], cal
         f" (mapped {cov.count('mapped')}, custom {cov.count('custom')})"
         + (f"; planned with {mapped}" if mapped else ""),
         f"efficiency: compute {float(cfg.planner.compute_efficiency):.3g}, "
-        f"comm {float(cfg.planner.comm_efficiency):.3g},"
+        f"comm {float(cfg.planner.comm_efficiency):.3g},{memory}"
         f" latency {planner.collective_latency_s(cfg.planner, c) * 1e6:.3g} us per collective"
         f" ({calibrated}); memory in GiB per device, buffers include the runtime reserve",
     ]

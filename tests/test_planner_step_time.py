@@ -12,6 +12,8 @@ from omegaconf import OmegaConf
 from orchestrator import planner
 from orchestrator.config import Config
 from orchestrator.planner import ModelShape, ParallelShape
+from orchestrator.planner.activations import ActBytes
+from orchestrator.planner.traffic import head_traffic_bytes, layer_traffic_bytes
 from tests.planner_cases import DEFAULTS, planner_cfg, precision, preset
 
 # --- step time ----------------------------------------------------------------------------------
@@ -25,8 +27,13 @@ def test_step_time_terms():
     tokens = 4 * 4096
     flops = (6 * m.n_params + 12 * 32 * 4096 * 4096) * tokens  # PaLM appendix B
     assert est.model_flops == pytest.approx(flops)
-    assert est.step_time_s == pytest.approx(flops / (313e12 * 0.5))
-    assert est.mfu == pytest.approx(0.5) and est.comm_share == 0
+    # the matmuls at the compute efficiency, the other operators' traffic at the HBM's 1.6 TB/s x 0.8
+    ab = ActBytes.of(prec, m, "npu")
+    traffic = 32 * layer_traffic_bytes(m, 4096, 1, 1, False, ab) + head_traffic_bytes(m, 4096, 1, 1, ab)
+    memory_s = 4 * traffic / (1600e9 * 0.8)
+    assert est.step_time_s == pytest.approx(flops / (313e12 * 0.5) + memory_s)
+    assert 0.05 < memory_s / est.step_time_s < 0.3
+    assert est.mfu == pytest.approx(0.5 * flops / (313e12 * 0.5) / est.step_time_s) and est.comm_share == 0
     # 8 data-parallel ranks in one node: the all-reduce runs over HCCS (196 GB/s per direction);
     # 16 cross nodes (25 GB/s)
     pl = planner_cfg(dp_overlap=0.0)
@@ -49,10 +56,11 @@ def test_step_time_terms():
     tp = planner.step_parts(m, ParallelShape(1, 8, 1, 4, 1, 4096), prec, DEFAULTS.comm, chip, pl)
     assert tp.tp_comm_s == pytest.approx(4 * planner.allreduce_bytes(4096 * 4096 * 2, 8) * 32 * 4 / 196e9)
     # a pipeline's bubble stretches compute: (p-1)/(m+p-1)
-    pp = planner.combine(
-        planner.step_parts(m, ParallelShape(1, 1, 4, 16, 1, 4096), prec, DEFAULTS.comm, chip, pl), 1.0, 1.0
-    )
-    assert pp.compute_s == pytest.approx(16 * flops / 4 / (4 * 313e12) / (1 - 3 / 19))
+    pp_parts = planner.step_parts(m, ParallelShape(1, 1, 4, 16, 1, 4096), prec, DEFAULTS.comm, chip, pl)
+    pp = planner.combine(pp_parts, 1.0, 1.0)
+    # each rank a quarter of the layers' traffic: the same per rank as one rank with 4 micro-batches
+    assert pp_parts.memory_s == pytest.approx(16 / 4 / 4 * memory_s)
+    assert pp.compute_s == pytest.approx((16 * flops / 4 / (4 * 313e12) + pp_parts.memory_s) / (1 - 3 / 19))
 
 
 def test_the_link_figures_are_the_planner_s_own_and_time_a_group_by_where_it_runs():
@@ -128,15 +136,17 @@ def synthetic_trials(layouts, seed: int, sigma: float, prefix: str):
 
 def test_calibration_recovers_known_efficiencies_and_reports_its_error():
     """Noise-free step times over layouts that communicate: the fit finds all three factors
-    back, and the per-layer host terms (at their defaults in the truth, over 2% of some trial's
-    time, so fitted too) at their true values; its error on them is ~0; off by a factor, the
+    back, and the per-layer host terms (at their defaults in the truth) at their true values
+    wherever they are over 2% of some trial's time, so fitted too; its error on them is ~0; off by a factor, the
     error is reported, not hidden."""
     trials = synthetic_trials(FIT, seed=0, sigma=0.0, prefix="run")
     cal = planner.calibrate(trials, DEFAULTS.planner)
     assert cal.n_runs == 6 and cal.heldout is None
-    factors = {"compute_efficiency", "comm_efficiency", "collective_latency_us", "layer_host_us", "tp_layer_host_us"}
-    assert set(cal.fitted) == factors
-    for key in ("layer_host_us", "tp_layer_host_us"):
+    factors = {"compute_efficiency", "comm_efficiency", "collective_latency_us"}
+    assert factors <= set(cal.fitted) <= factors | {"layer_host_us", "tp_layer_host_us"}
+    # the host terms are fitted where they show (here hidden behind the device's work on most
+    # layouts: the memory traffic lengthens it), and then at their true values
+    for key in set(cal.fitted) - factors:
         assert getattr(cal, key) == pytest.approx(float(DEFAULTS.planner[key]), rel=0.01)
     assert cal.compute_efficiency == pytest.approx(0.37, rel=0.01)
     assert cal.comm_efficiency == pytest.approx(0.55, rel=0.02)

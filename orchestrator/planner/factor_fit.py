@@ -28,6 +28,7 @@ HOST_FACTORS = FACTORS[3:]  # in HostCosts' field order
 # a trial's step parts (``step_time.StepParts`` fields) that the model reads, one column each
 COLUMNS = (
     "compute_s",
+    "memory_s",
     "backward_s",
     "bubble",
     "tp_comm_s",

@@ -141,6 +141,7 @@ class ParallelShape:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     fsdp: bool = False
+    compiled: bool = False  # trainer.compile: elementwise chains fused (planner/traffic.py)
 
     @classmethod
     def of(cls, parallel: DictConfig, trainer: DictConfig, lay: Layout) -> "ParallelShape":
@@ -158,6 +159,7 @@ class ParallelShape:
             virtual_stages=int(parallel.virtual_stages),
             sequence_parallel=bool(parallel.sequence_parallel) and lay.tp > 1,
             fsdp=rules.dp_wrapping(lay.dp, lay.tp, str(parallel.dp_shard)) == "fsdp",
+            compiled=bool(getattr(trainer, "compile", False)),
         )
 
     @property

@@ -76,6 +76,8 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from omegaconf import DictConfig
 
+from orchestrator.planner import traffic
+from orchestrator.planner.activations import ActBytes
 from orchestrator.planner.cpu_host import cpu_share, group_wait, lockstep
 from orchestrator.planner.dp_comm import allreduce_bytes, dp_calls, dp_traffic_bytes
 from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, rank_contents, rank_params
@@ -147,6 +149,7 @@ class StepParts:
     :func:`combine` applies efficiencies, the per-call latency, the host costs and the overlap."""
 
     compute_s: float
+    memory_s: float  # the non-matmul operators' traffic at the chip's bandwidth x memory_efficiency
     backward_s: float
     bubble: float
     tp_comm_s: float
@@ -196,6 +199,7 @@ class StepEstimate:
     host_s: float = 0.0  # host fixed costs not hidden behind the device's work, bubble included
     host: HostCosts = HostCosts(0.0, 0.0, 0.0)
     host_busy: float = 0.0  # share of the host's cores busy over the step (a CPU "device"; trainers' host_busy)
+    memory_s: float = 0.0  # of compute_s, the non-matmul operators' memory traffic (planner/traffic.py)
 
 
 def step_parts(
@@ -222,6 +226,7 @@ def step_parts(
     backward = compute * (0.75 if m.checkpointing else 2.0 / 3.0)
     ranks = [contents(r) for r in range(s.pp)]
     layers = max(len(rc.layers) for rc in ranks)
+    memory = memory_seconds(m, s, precision, chip, planner)
     tp_s, tp_calls, pp_s, pp_calls = _mesh_comm(m, s, chip, layers, BYTES[precision.compute_dtype])
     n = max(params(rc, r) for r, rc in enumerate(ranks))
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / _link(chip, s.world)
@@ -231,6 +236,7 @@ def step_parts(
     overlap = float(planner.dp_overlap) * (1.0 - 1.0 / max(1, n_dp)) if comm.overlap else 0.0
     return StepParts(
         compute_s=compute,
+        memory_s=memory,
         backward_s=backward,
         bubble=bubble_fraction(s),
         tp_comm_s=tp_s,
@@ -258,6 +264,24 @@ def step_parts(
         tp_lockstep=lockstep(s.tp, s, chip),
         dp_lockstep=lockstep(s.dp, s, chip),
     )
+
+
+def memory_seconds(
+    m: ModelShape, s: ParallelShape, precision: DictConfig, chip: DictConfig, planner: DictConfig
+) -> float:
+    """Seconds a rank's non-matmul operators spend on memory traffic per step (a replica's layers
+    and head spread over its pipeline ranks, as the compute is: :mod:`traffic`), at the chip's
+    ``hbm_gbps`` x ``planner.memory_efficiency``; 0 where the chip gives no bandwidth."""
+    gbps = float(chip.hbm_gbps or 0.0)
+    if gbps <= 0:
+        return 0.0
+    ab = ActBytes.of(precision, m, chip.device_type)
+    args = (m, s.seq_len, s.micro_batch, s.tp)
+    layer = traffic.layer_traffic_bytes(*args, s.sequence_parallel, ab, s.compiled, chip.device_type == "cpu")
+    per_mb = m.layers * layer * (4.0 / 3.0 if m.checkpointing else 1.0) + traffic.head_traffic_bytes(
+        *args, ab, s.compiled
+    )
+    return per_mb * s.microbatches / s.pp / (gbps * 1e9 * float(planner.memory_efficiency))
 
 
 def _peak_flops(precision: DictConfig, chip: DictConfig, s: ParallelShape) -> float:
@@ -302,7 +326,7 @@ def model(c: Mapping[str, Any], ec, en, lat, layer, stage, hop, tp_layer, ops: A
     parts at compute efficiency ``ec``, link efficiency ``en``, per-collective latency ``lat``
     and the host terms (seconds), by name. Documented at :func:`combine`."""
     u = c["share"]
-    compute = c["compute_s"] / ec / u
+    compute = (c["compute_s"] / ec + c["memory_s"]) / u
     layer_host = c["layer_passes"] * layer + c["tp_layer_passes"] * tp_layer
     busy = ops.where(c["host_async"], ops.maximum(compute, layer_host), compute + layer_host)
     busy = busy + c["stage_passes"] * stage
@@ -381,6 +405,7 @@ def combine(
         host_s=host_s,
         host=h,
         host_busy=r["host_busy"],
+        memory_s=parts.memory_s / parts.share * scale,
     )
 
 

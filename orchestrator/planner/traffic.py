@@ -1,0 +1,151 @@
+"""Memory traffic per step (bytes), what the trainer's operators other than its matmuls read and
+write, and the seconds it takes at the chip's memory bandwidth.
+
+A transformer layer's matmuls are bound by the chip's arithmetic; its norms, activations,
+residual adds, RoPE, dropout, casts and (decomposed attention) its scaled, masked softmax are
+bound by its memory: each reads and writes whole activation tensors and does a few operations an
+element. Their time is bytes / bandwidth (Williams et al. 2009, "Roofline"), and it does not
+shrink with the hidden size as the matmuls' share grows: at GPT-2's widths it is a third or more
+of a layer's time, at 20k wide a few percent (``bench/published_throughput.py``).
+
+Counted tensor by tensor, as :mod:`orchestrator.planner.activations` counts what autograd saves,
+in units of "passes" (one read or one write of a whole tensor), forward and backward:
+
+- eager (each operator its own kernel, ``trainer.compile=false``): the trainer's operators as
+  they dispatch (``trainers/model.py``): residual adds 3 passes forward and their gradient sums 3
+  backward; LayerNorm 2 + 3, the module's RMSNorm (seven elementwise products and a mean) 31;
+  GELU 2 + 3 of the d_ff-wide tensor, SwiGLU 14; RoPE 26.5 of each rotated tensor (slices,
+  products, a stack and their gradients); the sums of the gradients of a tensor several linears
+  read; autocast's casts (the norm's input and output when its dtype is not the residual's, each
+  linear's input when the residual is wider than the compute dtype, and the weights' copies);
+  decomposed attention's scale, causal mask and softmax (13 passes of the ``b x heads x s x s``
+  scores) and the operands of its four backward and two forward batched matmuls (those are
+  memory-bound at a head width below the chip's FLOP-per-byte ratio, 96-128 against A100's 153);
+  dropout (``native_dropout``: 2 passes and a 1-byte mask each way; a CPU's fallback draws the
+  mask in the dropped tensor's dtype, 9 passes). ``tests/test_memory_traffic.py`` counts the
+  trainer's own operators with a dispatch mode, knob by knob, on a CPU: within 7%.
+- fused (``trainer.compile=true``, or a framework's hand-fused kernels such as Megatron-LM's):
+  every elementwise chain between two matmuls is one kernel that reads its inputs and writes its
+  outputs once: forward the norm (read x, write its output), RoPE (q and k read and written), the
+  residual add fused with the next norm, the MLP's activation (reads the up projections, writes
+  one), the decomposed softmax (read the scores, write the probabilities, and the dropped ones);
+  backward about twice the forward's passes (each kernel reads the incoming gradient and what it
+  saved, writes one gradient). An estimate of what a graph compiler can reach, not a measurement:
+  inductor's own byte count (``torch._inductor.metrics.num_bytes_accessed``) is kept for its GPU
+  kernels only, and none runs here.
+
+Under tensor parallelism attention and the MLP are 1/t, the norms and residual adds 1/t only with
+sequence parallelism, the sums of the linears' input gradients whole (as
+:func:`activations.layer_activation_bytes` counts the linears' input). Activation checkpointing
+runs the forward twice (a forward is about a third of a layer's passes).
+"""
+
+from __future__ import annotations
+
+from orchestrator.planner.activations import ActBytes
+from orchestrator.planner.shapes import ModelShape
+
+RMSNORM_PASSES = 31.0  # trainers/model.py RMSNorm: pow, mean, add, rsqrt, two products, and their gradients
+LAYERNORM_PASSES = 5.0  # native_layer_norm: read x, write y; backward read dy and x, write dx
+ROPE_PASSES = 26.5  # apply_rope: four half-width products, a sum, a difference, a stack; gradients
+GELU_PASSES, SWIGLU_PASSES = 5.0, 14.0  # of one d_ff-wide tensor, forward and backward
+SOFTMAX_PASSES = 13.0  # decomposed: scale 2+2, masked_fill 2+2, softmax 2+3, of the scores
+ATTN_BMM_SCORE_PASSES = 6.0  # the batched matmuls' score-sized operands: forward 2, backward 4
+
+
+def _dropout_passes(ab: ActBytes, cpu: bool) -> float:
+    """Bytes a dropped element costs forward and backward, per byte of the dropped tensor's
+    dtype: ``native_dropout`` reads x, writes y and a 1-byte mask, and its backward reads the
+    gradient and the mask and writes one; a CPU's fallback (bernoulli into a tensor of the input's
+    dtype, scaled in place, then a product each way) 9 passes."""
+    return 9.0 if cpu else 4.0 + 2.0 * ab.mask / ab.linear
+
+
+def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu: bool) -> float:
+    T = float(seq * b)
+    u = tp if sp else 1
+    r, lin, nb = ab.residual, ab.linear, ab.norm
+    hd = m.d // m.heads
+    q_w, kv_w, f = m.heads * hd / tp, m.kv_heads * hd / tp, m.d_ff / tp
+    td, tdu = T * m.d, T * m.d / u
+    readers = 3 + (2 if m.swiglu else 1)  # linears reading a norm's output: q, k, v; w1 (and w3)
+    out = 12.0 * tdu * r  # two residual adds and the two gradient sums of the residual stream
+    out += (readers - 2) * 3.0 * td * r  # the gradients of a norm's output summed over its readers
+    out += 2 * (LAYERNORM_PASSES if m.layernorm else RMSNORM_PASSES) * tdu * nb
+    if nb != r:  # in_dtype: the norm's input cast to its dtype and its output back, each way
+        out += 2 * 4.0 * tdu * (r + nb)
+    if r != lin:  # autocast: each linear casts its input, and its gradient back
+        out += readers * 2.0 * td * (r + lin)
+    if ab.weight_casts:  # autocast's copies of the block's fp32 matrices and their gradients' casts
+        out += 2.0 * m.layer_sharded / tp * (ab.param + lin)
+    out += (SWIGLU_PASSES if m.swiglu else GELU_PASSES) * T * f * lin
+    if not m.learned_pos:
+        out += ROPE_PASSES * T * (q_w + kv_w) * lin
+    drop = _dropout_passes(ab, cpu) if m.dropout > 0 else 0.0
+    out += 2 * drop * tdu * lin  # the two residual branches' dropout
+    if m.fused_attention:
+        out += 4.0 * T * q_w * lin if ab.fused_out_copy else 0.0  # wo's input copied, and its gradient
+        return out
+    e = b * (m.heads / tp) * seq * seq
+    out += SOFTMAX_PASSES * e * lin + (4.0 * e * (ab.softmax + lin) if ab.softmax != lin else 0.0)
+    out += ATTN_BMM_SCORE_PASSES * e * lin + 6.0 * T * (q_w + kv_w) * lin  # the batched matmuls' operands
+    out += drop * e * lin
+    out += 16.0 * T * q_w * lin  # q regrouped, the output reshaped for wo, and their gradients: copies
+    return out
+
+
+def _fused(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes) -> float:
+    T = float(seq * b)
+    u = tp if sp else 1
+    r, lin = ab.residual, ab.linear
+    hd = m.d // m.heads
+    q_w, kv_w, f = m.heads * hd / tp, m.kv_heads * hd / tp, m.d_ff / tp
+    td, tdu = T * m.d, T * m.d / u
+    mask = ab.mask if m.dropout > 0 else 0
+    readers = 3 + (2 if m.swiglu else 1)
+    # forward: two residual adds, each fused with the norm after it (read x and the branch,
+    # write x and the normalised copy), the branches' dropout masks written; the activation
+    # reads the up projection(s) and writes one; RoPE reads and writes q and k
+    out = 2 * tdu * (2 * r + 2 * lin + mask)
+    out += T * f * lin * (3 if m.swiglu else 2)
+    # backward: each norm reads the gradients its readers made, its saved input and the residual
+    # gradient, and writes one; the activation reads its gradient and inputs and writes theirs
+    out += tdu * 6 * r + readers * td * lin + 2 * tdu * mask
+    out += T * f * lin * (5 if m.swiglu else 3)
+    if not m.learned_pos:
+        out += 4 * T * (q_w + kv_w) * lin
+    if not m.fused_attention:
+        e = b * (m.heads / tp) * seq * seq
+        # forward: scores written by their matmul, scaled, masked and normalised in one pass,
+        # the (dropped) probabilities read by the next; backward: the probabilities' gradient
+        # written, the probabilities read, the softmax's gradient written and read twice
+        out += e * (10 * lin + (2 * lin + 2 * mask if mask else 0))
+        out += 6.0 * T * (q_w + kv_w) * lin  # the batched matmuls' q, k, v-wide operands
+    return out
+
+
+def layer_traffic_bytes(
+    m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, fused: bool = False, cpu: bool = False
+) -> float:
+    """Bytes one transformer block's non-matmul operators read and write, forward and backward,
+    per micro-batch and TP rank (one forward: the recomputed one of checkpointing is
+    :func:`layer_passes`' business)."""
+    return _fused(m, seq, b, tp, sp, ab) if fused else _eager(m, seq, b, tp, sp, ab, cpu)
+
+
+def head_traffic_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes, fused: bool = False) -> float:
+    """The final norm, the head's casts and the loss over this rank's vocabulary shard, forward
+    and backward. Eager: ``cross_entropy`` on fp32 logits is 32 bytes a logit (log-softmax 8,
+    the dense gradient ``nll_loss`` makes 4, the log-softmax's gradient 12, and their reads), 12
+    more for the cast to fp32 and back when the head computes narrower; fused: the logits read
+    and their gradient written."""
+    T = float(seq * b)
+    td = T * m.d
+    logits = T * -(-m.vocab // tp)
+    if fused:
+        return 2.0 * logits * ab.linear + td * (3 * ab.residual + 3 * ab.linear)
+    out = (LAYERNORM_PASSES if m.layernorm else RMSNORM_PASSES) * td * ab.norm
+    out += 4.0 * td * (ab.residual + ab.norm) if ab.norm != ab.residual else 0.0
+    out += 2.0 * td * (ab.residual + ab.linear) if ab.residual != ab.linear else 0.0
+    out += 2.0 * m.vocab / tp * m.d * (ab.param + ab.linear) if ab.weight_casts else 0.0
+    return out + logits * (32.0 + (12.0 if ab.linear != 4 else 0.0))
