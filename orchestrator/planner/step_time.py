@@ -3,7 +3,8 @@
 - compute = model FLOPs / (devices x peak for the compute dtype x ``compute_efficiency``), with
   model FLOPs = (6 N + 12 L h s) x tokens (Chowdhery et al. 2022, PaLM appendix B; the formula
   trainers/loop.py uses for MFU); full activation checkpointing re-runs the forward, 8 N
-  instead of 6 N of hardware work (MFU still counts 6 N).
+  instead of 6 N of hardware work (MFU still counts 6 N); plus the memory traffic of the other
+  operators over the chip's ``hbm_gbps`` x ``memory_efficiency`` (:mod:`traffic`).
 - pipeline bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m + p - 1) interleaved (Narayanan
   et al. 2021, sec. 2.2); ZB-V is counted as interleaved with its 2 stages per rank, an upper
   bound (Qi et al. 2024 reach ~0 only when forward, input-gradient and weight-gradient times
@@ -77,7 +78,6 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 from omegaconf import DictConfig
 
 from orchestrator.planner import traffic
-from orchestrator.planner.activations import ActBytes
 from orchestrator.planner.cpu_host import cpu_share, group_wait, lockstep
 from orchestrator.planner.dp_comm import allreduce_bytes, dp_calls, dp_traffic_bytes
 from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, rank_contents, rank_params
@@ -226,7 +226,7 @@ def step_parts(
     backward = compute * (0.75 if m.checkpointing else 2.0 / 3.0)
     ranks = [contents(r) for r in range(s.pp)]
     layers = max(len(rc.layers) for rc in ranks)
-    memory = memory_seconds(m, s, precision, chip, planner)
+    memory = traffic.memory_seconds(m, s, precision, chip, planner)
     tp_s, tp_calls, pp_s, pp_calls = _mesh_comm(m, s, chip, layers, BYTES[precision.compute_dtype])
     n = max(params(rc, r) for r, rc in enumerate(ranks))
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / _link(chip, s.world)
@@ -264,24 +264,6 @@ def step_parts(
         tp_lockstep=lockstep(s.tp, s, chip),
         dp_lockstep=lockstep(s.dp, s, chip),
     )
-
-
-def memory_seconds(
-    m: ModelShape, s: ParallelShape, precision: DictConfig, chip: DictConfig, planner: DictConfig
-) -> float:
-    """Seconds a rank's non-matmul operators spend on memory traffic per step (a replica's layers
-    and head spread over its pipeline ranks, as the compute is: :mod:`traffic`), at the chip's
-    ``hbm_gbps`` x ``planner.memory_efficiency``; 0 where the chip gives no bandwidth."""
-    gbps = float(chip.hbm_gbps or 0.0)
-    if gbps <= 0:
-        return 0.0
-    ab = ActBytes.of(precision, m, chip.device_type)
-    args = (m, s.seq_len, s.micro_batch, s.tp)
-    layer = traffic.layer_traffic_bytes(*args, s.sequence_parallel, ab, s.compiled, chip.device_type == "cpu")
-    per_mb = m.layers * layer * (4.0 / 3.0 if m.checkpointing else 1.0) + traffic.head_traffic_bytes(
-        *args, ab, s.compiled
-    )
-    return per_mb * s.microbatches / s.pp / (gbps * 1e9 * float(planner.memory_efficiency))
 
 
 def _peak_flops(precision: DictConfig, chip: DictConfig, s: ParallelShape) -> float:

@@ -42,8 +42,10 @@ runs the forward twice (a forward is about a third of a layer's passes).
 
 from __future__ import annotations
 
+from omegaconf import DictConfig
+
 from orchestrator.planner.activations import ActBytes
-from orchestrator.planner.shapes import ModelShape
+from orchestrator.planner.shapes import ModelShape, ParallelShape
 
 RMSNORM_PASSES = 31.0  # trainers/model.py RMSNorm: pow, mean, add, rsqrt, two products, and their gradients
 LAYERNORM_PASSES = 5.0  # native_layer_norm: read x, write y; backward read dy and x, write dx
@@ -149,3 +151,19 @@ def head_traffic_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes, f
     out += 2.0 * td * (ab.residual + ab.linear) if ab.residual != ab.linear else 0.0
     out += 2.0 * m.vocab / tp * m.d * (ab.param + ab.linear) if ab.weight_casts else 0.0
     return out + logits * (32.0 + (12.0 if ab.linear != 4 else 0.0))
+
+
+def memory_seconds(
+    m: ModelShape, s: ParallelShape, precision: DictConfig, chip: DictConfig, planner: DictConfig
+) -> float:
+    """Seconds a rank's non-matmul operators spend on memory traffic per step (a replica's layers
+    and head spread over its pipeline ranks, as the compute is: :mod:`traffic`), at the chip's
+    ``hbm_gbps`` x ``planner.memory_efficiency``; 0 where the chip gives no bandwidth."""
+    gbps = float(chip.hbm_gbps or 0.0)
+    if gbps <= 0:
+        return 0.0
+    ab = ActBytes.of(precision, m, chip.device_type)
+    args = (m, s.seq_len, s.micro_batch, s.tp)
+    layer = layer_traffic_bytes(*args, s.sequence_parallel, ab, s.compiled, chip.device_type == "cpu")
+    per_mb = m.layers * layer * (4.0 / 3.0 if m.checkpointing else 1.0) + head_traffic_bytes(*args, ab, s.compiled)
+    return per_mb * s.microbatches / s.pp / (gbps * 1e9 * float(planner.memory_efficiency))
