@@ -1,12 +1,15 @@
 """Does the calibrated step-time model predict layouts it was not fitted to?
 
     python bench/plan_calibration.py [--presets single,dp2,tp2,pp2,tp2pp2] [--held-out pp2,tp2pp2]
-                                     [--model gpt_mini] [--steps 20] [--threads 0] [--store DIR]
+                                     [--model gpt_mini] [--steps 20] [--threads 0] [--repeats 1]
+                                     [--store DIR]
 
 A preset may carry overrides of its own after colons, so one layout runs with several batch splits
 or schedules: ``pp2:parallel.microbatches=8``, ``single:trainer.micro_batch=1``,
 ``pp2:parallel.schedule=interleaved_1f1b:parallel.virtual_stages=3`` (the host terms of the
 step-time model, per micro-batch and per stage, are fitted only where such points vary them).
+``--repeats N`` runs every preset N times, round by round, and fits and judges each preset's
+median run (on a shared host one preset's step time moves by up to a quarter between runs).
 ``--store DIR`` keeps the MLflow store (and which preset each run was) in DIR; given a DIR that
 already holds a run of every preset asked for, nothing is run again and the fit is made on the
 measured runs there (to compare model variants on the same measurements).
@@ -71,33 +74,50 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--threads", type=int, default=0, help="intra-op threads per worker (OMP_NUM_THREADS); 0: the trainer's choice"
     )
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each preset; the fit takes each one's median run")
     ap.add_argument("--store", default=None, help="keep (or reuse) the MLflow store and the preset of each run here")
     return ap
 
 
-def _run_presets(presets: list, common: list, base: dict, planned: dict, index: Path) -> None:
-    """One trial of each preset that has no run in ``planned`` yet (run id -> (preset, planned
-    GB), kept in ``index`` after each run): a preset's own overrides on top of ``base`` and
-    ``common``. A preset the trainer cannot run, or whose trial does not finish, is reported and
-    left out."""
-    done = {p for p, _ in planned.values()}
-    for preset in presets:
-        if preset in done:
-            continue
-        name, *own = preset.split(":")
-        mine = dict(o.split("=", 1) for o in own)
-        overrides = [f"parallel={name}", *common, *(f"{k}={v}" for k, v in {**base, **mine}.items())]
-        cfg = _compose(overrides)
-        try:
-            result = trial.run(cfg, overrides, progress=False)
-        except trial.ConfigError as err:
-            print(f"{preset}: not run: {'; '.join(err.errors)}")
-            continue
-        if result["status"] != "finished":
-            print(f"{preset}: {result['status']}: {result.get('reason', '')[:200]}")
-            continue
-        planned[result["run_id"]] = (preset, planner.preflight(cfg)["planned_mem_gb"])
-        index.write_text(json.dumps(planned))
+def _run_presets(presets: list, common: list, base: dict, planned: dict, index: Path, repeats: int = 1) -> None:
+    """Trials of each preset until it has ``repeats`` runs in ``planned`` (run id -> (preset,
+    planned GB), kept in ``index`` after each run), the presets in turn, round by round (a busy
+    spell of the host falls on several presets, not on all the repeats of one): a preset's own
+    overrides on top of ``base`` and ``common``. A preset the trainer cannot run, or whose trial
+    does not finish, is reported and left out."""
+    for round_ in range(repeats):
+        for preset in presets:
+            if sum(p == preset for p, _ in planned.values()) <= round_:
+                _run_one(preset, common, base, planned, index)
+
+
+def _median_runs(trials: list, planned: dict) -> list:
+    """Each preset's run of the median step time (the lower middle of an even count)."""
+    by: dict = {}
+    for t in trials:
+        by.setdefault(planned[t.run_id][0], []).append(t)
+    out = []
+    for runs in by.values():
+        runs.sort(key=lambda t: t.step_time_s)
+        out.append(runs[(len(runs) - 1) // 2])
+    return out
+
+
+def _run_one(preset: str, common: list, base: dict, planned: dict, index: Path) -> None:
+    name, *own = preset.split(":")
+    mine = dict(o.split("=", 1) for o in own)
+    overrides = [f"parallel={name}", *common, *(f"{k}={v}" for k, v in {**base, **mine}.items())]
+    cfg = _compose(overrides)
+    try:
+        result = trial.run(cfg, overrides, progress=False)
+    except trial.ConfigError as err:
+        print(f"{preset}: not run: {'; '.join(err.errors)}")
+        return
+    if result["status"] != "finished":
+        print(f"{preset}: {result['status']}: {result.get('reason', '')[:200]}")
+        return
+    planned[result["run_id"]] = (preset, planner.preflight(cfg)["planned_mem_gb"])
+    index.write_text(json.dumps(planned))
 
 
 def _print_table(args: argparse.Namespace, cal, presets: list, planned: dict, trials: list) -> None:
@@ -189,11 +209,10 @@ def main() -> None:
     unknown = held_names - set(presets)
     if unknown:
         sys.exit(f"--held-out {','.join(sorted(unknown))}: not among --presets")
-    _run_presets(presets, common, base, planned, index)
+    _run_presets(presets, common, base, planned, index, args.repeats)
     wanted = set(presets)
-    trials = [
-        t for t in planner.measured_trials(uri, "calibration", chip="cpu") if planned.get(t.run_id, ("",))[0] in wanted
-    ]
+    ran = planner.measured_trials(uri, "calibration", chip="cpu")
+    trials = _median_runs([t for t in ran if planned.get(t.run_id, ("",))[0] in wanted], planned)
     common = [*common, *(f"{k}={v}" for k, v in base.items())]
     held = [t for t in trials if planned.get(t.run_id, ("",))[0] in held_names]
     fit = [t for t in trials if t.run_id not in {h.run_id for h in held}]

@@ -49,6 +49,11 @@ class ChipConfig:
     # (orchestrator/planner/traffic.py); 0: not modelled (the CPU preset: a core's elementwise
     # work is in its fitted compute efficiency)
     hbm_gbps: float = 0.0
+    # planner-only: how fast a CPU host's cores move FSDP's bytes, GB/s of the parameters a rank
+    # gathers and the gradients it reduce-scatters (gloo's sends and receives, FSDP's copies into
+    # and out of its buffers: work, on a host whose cores are the devices; bench/fsdp_host.py
+    # measures it); 0: the device moves them, not the host (an accelerator)
+    host_copy_gbps: float = 0.0
     dtypes: List[str] = field(default_factory=lambda: ["fp32"])
     unsupported_ops: List[str] = field(default_factory=list)
     decompositions: Dict[str, str] = field(default_factory=dict)

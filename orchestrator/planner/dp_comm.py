@@ -44,6 +44,18 @@ def dp_traffic_bytes(
     return allreduce_bytes(n_params * gb, s.dp)
 
 
+def fsdp_host_bytes(
+    s: ParallelShape, n_params: float, precision: DictConfig, comm: DictConfig, planner: DictConfig
+) -> float:
+    """Bytes FSDP moves through a rank per step, parameters gathered (:func:`fsdp_gathers`
+    times) and gradients reduce-scattered once: what a CPU host's cores copy
+    (``chip.host_copy_gbps``)."""
+    if not s.fsdp or s.dp <= 1:
+        return 0.0
+    pb, gb, _ = state_bytes(precision, planner)
+    return n_params * (fsdp_gathers(s, _overlap(comm)) * pb + gb)
+
+
 def fsdp_gathers(s: ParallelShape, overlap: bool) -> int:
     """All-gathers of each FSDP unit per step, as torch 2.13's FSDP2 issues them under the trainer
     (counted by ``tests/test_dp_collectives.py``). Without a pipeline, the micro-batches run one

@@ -29,6 +29,7 @@ HOST_FACTORS = FACTORS[3:]  # in HostCosts' field order
 COLUMNS = (
     "compute_s",
     "memory_s",
+    "fsdp_host_s",
     "backward_s",
     "bubble",
     "tp_comm_s",

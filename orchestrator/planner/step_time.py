@@ -50,7 +50,10 @@
   per-stage cost always adds: each stage boundary is a wait. With tensor parallelism,
   ``tp_layer_host_us`` per layer and micro-batch more (DTensor's sharding propagation on every
   sharded op, the redistributions, each collective's wait for the slowest rank), counted as the
-  dispatch is. Defaults are assumptions, to be fitted (``--calibrate``).
+  dispatch is. Defaults are assumptions, to be fitted (``--calibrate``). On a CPU host, FSDP's
+  gathered and reduce-scattered bytes are work of the rank's cores, at the chip's
+  ``host_copy_gbps`` (gloo's sends and receives and FSDP's buffer copies; ``bench/fsdp_host.py``
+  measures it), added to the rank's busy time.
 - a CPU "device" is a worker process, and a node's workers share the host's cores
   (``planner.host_cores``, 0: this machine's): the trainer gives each ``cores // workers``
   threads, at least one (``trainers/runtime.py select_device``), so the node's demand is
@@ -79,7 +82,7 @@ from omegaconf import DictConfig
 
 from orchestrator.planner import traffic
 from orchestrator.planner.cpu_host import cpu_share, group_wait, lockstep
-from orchestrator.planner.dp_comm import allreduce_bytes, dp_calls, dp_traffic_bytes
+from orchestrator.planner.dp_comm import allreduce_bytes, dp_calls, dp_traffic_bytes, fsdp_host_bytes
 from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, rank_contents, rank_params
 from trainers import rules
 
@@ -150,6 +153,7 @@ class StepParts:
 
     compute_s: float
     memory_s: float  # the non-matmul operators' traffic at the chip's bandwidth x memory_efficiency
+    fsdp_host_s: float  # a CPU host's cores moving FSDP's bytes (chip.host_copy_gbps); 0 elsewhere
     backward_s: float
     bubble: float
     tp_comm_s: float
@@ -231,12 +235,15 @@ def step_parts(
     n = max(params(rc, r) for r, rc in enumerate(ranks))
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / _link(chip, s.world)
     n_dp = dp_calls(m, s, n, layers, precision, comm, planner)
+    copy_gbps = float(chip.host_copy_gbps or 0.0)
+    fsdp_host = fsdp_host_bytes(s, n, precision, comm, planner) / (copy_gbps * 1e9) if copy_gbps > 0 else 0.0
     # the bucket (or FSDP unit) whose gradients the backward makes last is reduced after it: at
     # most (n - 1) / n of the traffic can hide (one 25 MiB bucket holding every gradient hides none)
     overlap = float(planner.dp_overlap) * (1.0 - 1.0 / max(1, n_dp)) if comm.overlap else 0.0
     return StepParts(
         compute_s=compute,
         memory_s=memory,
+        fsdp_host_s=fsdp_host,
         backward_s=backward,
         bubble=bubble_fraction(s),
         tp_comm_s=tp_s,
@@ -311,7 +318,7 @@ def model(c: Mapping[str, Any], ec, en, lat, layer, stage, hop, tp_layer, ops: A
     compute = (c["compute_s"] / ec + c["memory_s"]) / u
     layer_host = c["layer_passes"] * layer + c["tp_layer_passes"] * tp_layer
     busy = ops.where(c["host_async"], ops.maximum(compute, layer_host), compute + layer_host)
-    busy = busy + c["stage_passes"] * stage
+    busy = busy + c["stage_passes"] * stage + c["fsdp_host_s"]
     stretch = 1.0 / (1.0 - c["bubble"])
     tp, pp, dp = (c[k + "_comm_s"] / en + c[k + "_calls"] * lat + c[k + "_hops"] * hop for k in ("tp", "pp", "dp"))
     waited = dp * c["dp_wait"]
