@@ -48,12 +48,11 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf
-    from torch.distributed.device_mesh import init_device_mesh
 
     from orchestrator import conf_dir
-    from trainers.config import ModelConfig
+    from trainers.config import ModelConfig, ParallelConfig
     from trainers.model import GPT, cross_entropy
-    from trainers.parallel import apply_fsdp, apply_tp, vocab_parallel_cross_entropy
+    from trainers.parallel import apply_fsdp, apply_tp, build_mesh, vocab_parallel_cross_entropy
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -61,12 +60,12 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     try:
         spec = OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / f"{args.model}.yaml"))
         margs = ModelConfig(**{k: v for k, v in spec.items() if k in ModelConfig.__dataclass_fields__})
-        mesh = init_device_mesh("cpu", (2, args.tp), mesh_dim_names=("dp", "tp"))
+        mesh = build_mesh("cpu", ParallelConfig(dp=2, tp=args.tp, pp=1))  # the trainer's own
         g = torch.Generator().manual_seed(rank // args.tp)
         x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq), generator=g)
         y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq), generator=g)
         loss = (
-            functools.partial(vocab_parallel_cross_entropy, group=mesh["tp"].get_group(), vocab_size=margs.vocab_size)
+            functools.partial(vocab_parallel_cross_entropy, group=mesh.group("tp"), vocab_size=margs.vocab_size)
             if args.tp > 1
             else cross_entropy
         )
@@ -74,8 +73,8 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
         for wrapped in (False, True):
             model = GPT(margs, seed=0)
             if args.tp > 1:
-                apply_tp(model, mesh["tp"], sequence_parallel=False)
-            models[wrapped] = apply_fsdp(model, mesh["dp"]) if wrapped else model
+                apply_tp(model, mesh.sub("tp"), sequence_parallel=False)
+            models[wrapped] = apply_fsdp(model, mesh.sub("dp")) if wrapped else model
         # alternated, rounds of a few passes each, so a busy spell of the host falls on both
         rounds = {False: [], True: []}
         for _ in range(args.rounds):
