@@ -56,6 +56,16 @@ def fsdp_host_bytes(
     return n_params * (fsdp_gathers(s, _overlap(comm)) * pb + gb)
 
 
+def fsdp_host_s(
+    s: ParallelShape, n_params: float, precision: DictConfig, comm: DictConfig, chip: DictConfig, planner: DictConfig
+) -> float:
+    """Seconds a CPU rank's cores spend moving FSDP's bytes per step (:func:`fsdp_host_bytes` at
+    ``chip.host_copy_gbps``: gloo's sends and receives, FSDP's buffer copies; measured by
+    ``bench/fsdp_host.py``); 0 where the device moves them (the key is 0)."""
+    gbps = float(chip.host_copy_gbps or 0.0)
+    return fsdp_host_bytes(s, n_params, precision, comm, planner) / (gbps * 1e9) if gbps > 0 else 0.0
+
+
 def fsdp_gathers(s: ParallelShape, overlap: bool) -> int:
     """All-gathers of each FSDP unit per step, as torch 2.13's FSDP2 issues them under the trainer
     (counted by ``tests/test_dp_collectives.py``). Without a pipeline, the micro-batches run one

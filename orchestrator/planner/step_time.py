@@ -1,10 +1,9 @@
 """Step time, per optimizer step.
 
 - compute = model FLOPs / (devices x peak for the compute dtype x ``compute_efficiency``), with
-  model FLOPs = (6 N + 12 L h s) x tokens (Chowdhery et al. 2022, PaLM appendix B; the formula
-  trainers/loop.py uses for MFU); full activation checkpointing re-runs the forward, 8 N
-  instead of 6 N of hardware work (MFU still counts 6 N); plus the memory traffic of the other
-  operators over the chip's ``hbm_gbps`` x ``memory_efficiency`` (:mod:`traffic`).
+  model FLOPs = (6 N + 12 L h s) x tokens (Chowdhery et al. 2022, PaLM appendix B; MFU's formula
+  in trainers/loop.py); activation checkpointing re-runs the forward, 8 N of hardware work instead
+  of 6 N; plus the other operators' memory traffic at the chip's ``hbm_gbps`` (:mod:`traffic`).
 - pipeline bubble: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m + p - 1) interleaved (Narayanan
   et al. 2021, sec. 2.2); ZB-V is counted as interleaved with its 2 stages per rank, an upper
   bound (Qi et al. 2024 reach ~0 only when forward, input-gradient and weight-gradient times
@@ -51,9 +50,7 @@
   ``tp_layer_host_us`` per layer and micro-batch more (DTensor's sharding propagation on every
   sharded op, the redistributions, each collective's wait for the slowest rank), counted as the
   dispatch is. Defaults are assumptions, to be fitted (``--calibrate``). On a CPU host, FSDP's
-  gathered and reduce-scattered bytes are work of the rank's cores, at the chip's
-  ``host_copy_gbps`` (gloo's sends and receives and FSDP's buffer copies; ``bench/fsdp_host.py``
-  measures it), added to the rank's busy time.
+  bytes are the rank's cores' work too, at the chip's ``host_copy_gbps`` (:func:`fsdp_host_s`).
 - a CPU "device" is a worker process, and a node's workers share the host's cores
   (``planner.host_cores``, 0: this machine's): the trainer gives each ``cores // workers``
   threads, at least one (``trainers/runtime.py select_device``), so the node's demand is
@@ -82,7 +79,7 @@ from omegaconf import DictConfig
 
 from orchestrator.planner import traffic
 from orchestrator.planner.cpu_host import cpu_share, group_wait, lockstep
-from orchestrator.planner.dp_comm import allreduce_bytes, dp_calls, dp_traffic_bytes, fsdp_host_bytes
+from orchestrator.planner.dp_comm import allreduce_bytes, dp_calls, dp_traffic_bytes, fsdp_host_s
 from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, rank_contents, rank_params
 from trainers import rules
 
@@ -235,15 +232,13 @@ def step_parts(
     n = max(params(rc, r) for r, rc in enumerate(ranks))
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / _link(chip, s.world)
     n_dp = dp_calls(m, s, n, layers, precision, comm, planner)
-    copy_gbps = float(chip.host_copy_gbps or 0.0)
-    fsdp_host = fsdp_host_bytes(s, n, precision, comm, planner) / (copy_gbps * 1e9) if copy_gbps > 0 else 0.0
     # the bucket (or FSDP unit) whose gradients the backward makes last is reduced after it: at
     # most (n - 1) / n of the traffic can hide (one 25 MiB bucket holding every gradient hides none)
     overlap = float(planner.dp_overlap) * (1.0 - 1.0 / max(1, n_dp)) if comm.overlap else 0.0
     return StepParts(
         compute_s=compute,
         memory_s=memory,
-        fsdp_host_s=fsdp_host,
+        fsdp_host_s=fsdp_host_s(s, n, precision, comm, chip, planner),
         backward_s=backward,
         bubble=bubble_fraction(s),
         tp_comm_s=tp_s,
