@@ -12,7 +12,7 @@ from planner_cases import DEFAULTS
 from test_plan_calibration import TRUTH, cpu_config, planted
 
 from orchestrator import chips, planner
-from orchestrator.planner.calibration import HOST_FACTORS
+from orchestrator.planner.calibration import HOST_FACTORS, layout
 from orchestrator.planner.dp_comm import fsdp_gathers
 from orchestrator.planner.step_time import HostCosts
 
@@ -41,9 +41,7 @@ def _work(parts) -> float:
 
 
 def _shapes(cfg):
-    from trainers.rules import Layout
-
-    lay = Layout(int(cfg.parallel.dp), int(cfg.parallel.tp), int(cfg.parallel.pp))
+    lay = layout(cfg)  # the calibration's own reading of a trial's layout
     return planner.ModelShape.of(cfg.model), planner.ParallelShape.of(cfg.parallel, cfg.trainer, lay)
 
 

@@ -30,8 +30,8 @@ def dp_traffic_bytes(
     if s.dp == 1:
         return 0.0
     pb, gb, _ = state_bytes(precision, planner)
-    if s.fsdp:  # every unit gathered fsdp_gathers times, its gradients reduce-scattered once
-        return (fsdp_gathers(s, _overlap(comm)) * n_params * pb + n_params * gb) * (s.dp - 1) / s.dp
+    if s.fsdp:  # of the bytes FSDP moves through the rank, a ring sends (dp - 1) / dp
+        return fsdp_bytes(s, n_params, precision, comm, planner) * (s.dp - 1) / s.dp
     if comm.compression in ("fp16", "bf16"):
         return allreduce_bytes(n_params * 2, s.dp)
     if comm.compression == "powersgd":  # P and Q factors of every matrix, vectors in full
@@ -44,12 +44,12 @@ def dp_traffic_bytes(
     return allreduce_bytes(n_params * gb, s.dp)
 
 
-def fsdp_host_bytes(
+def fsdp_bytes(
     s: ParallelShape, n_params: float, precision: DictConfig, comm: DictConfig, planner: DictConfig
 ) -> float:
     """Bytes FSDP moves through a rank per step, parameters gathered (:func:`fsdp_gathers`
-    times) and gradients reduce-scattered once: what a CPU host's cores copy
-    (``chip.host_copy_gbps``)."""
+    times) and gradients reduce-scattered once: the DP traffic's source, and what a CPU host's
+    cores copy (``chip.host_copy_gbps``)."""
     if not s.fsdp or s.dp <= 1:
         return 0.0
     pb, gb, _ = state_bytes(precision, planner)
@@ -59,11 +59,11 @@ def fsdp_host_bytes(
 def fsdp_host_s(
     s: ParallelShape, n_params: float, precision: DictConfig, comm: DictConfig, chip: DictConfig, planner: DictConfig
 ) -> float:
-    """Seconds a CPU rank's cores spend moving FSDP's bytes per step (:func:`fsdp_host_bytes` at
+    """Seconds a CPU rank's cores spend moving FSDP's bytes per step (:func:`fsdp_bytes` at
     ``chip.host_copy_gbps``: gloo's sends and receives, FSDP's buffer copies; measured by
     ``bench/fsdp_host.py``); 0 where the device moves them (the key is 0)."""
     gbps = float(chip.host_copy_gbps or 0.0)
-    return fsdp_host_bytes(s, n_params, precision, comm, planner) / (gbps * 1e9) if gbps > 0 else 0.0
+    return fsdp_bytes(s, n_params, precision, comm, planner) / (gbps * 1e9) if gbps > 0 else 0.0
 
 
 def fsdp_gathers(s: ParallelShape, overlap: bool) -> int:

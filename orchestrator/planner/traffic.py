@@ -63,13 +63,17 @@ def _dropout_passes(ab: ActBytes, cpu: bool) -> float:
     return 9.0 if cpu else 4.0 + 2.0 * ab.mask / ab.linear
 
 
-def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu: bool) -> float:
+def _widths(m: ModelShape, seq: int, b: int, tp: int, sp: bool):
+    """Tokens of a micro-batch, one TP rank's q, k/v and d_ff widths, and the tokens x d_model of
+    a whole residual tensor and of this rank's (a 1/t sequence shard with sequence parallelism)."""
     T = float(seq * b)
-    u = tp if sp else 1
-    r, lin, nb = ab.residual, ab.linear, ab.norm
     hd = m.d // m.heads
-    q_w, kv_w, f = m.heads * hd / tp, m.kv_heads * hd / tp, m.d_ff / tp
-    td, tdu = T * m.d, T * m.d / u
+    return T, m.heads * hd / tp, m.kv_heads * hd / tp, m.d_ff / tp, T * m.d, T * m.d / (tp if sp else 1)
+
+
+def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu: bool) -> float:
+    T, q_w, kv_w, f, td, tdu = _widths(m, seq, b, tp, sp)
+    r, lin, nb = ab.residual, ab.linear, ab.norm
     readers = 3 + (2 if m.swiglu else 1)  # linears reading a norm's output: q, k, v; w1 (and w3)
     out = 12.0 * tdu * r  # two residual adds and the two gradient sums of the residual stream
     out += (readers - 2) * 3.0 * td * r  # the gradients of a norm's output summed over its readers
@@ -97,12 +101,8 @@ def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu
 
 
 def _fused(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes) -> float:
-    T = float(seq * b)
-    u = tp if sp else 1
+    T, q_w, kv_w, f, td, tdu = _widths(m, seq, b, tp, sp)
     r, lin = ab.residual, ab.linear
-    hd = m.d // m.heads
-    q_w, kv_w, f = m.heads * hd / tp, m.kv_heads * hd / tp, m.d_ff / tp
-    td, tdu = T * m.d, T * m.d / u
     mask = ab.mask if m.dropout > 0 else 0
     readers = 3 + (2 if m.swiglu else 1)
     # forward: two residual adds, each fused with the norm after it (read x and the branch,
@@ -130,8 +130,8 @@ def layer_traffic_bytes(
     m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, fused: bool = False, cpu: bool = False
 ) -> float:
     """Bytes one transformer block's non-matmul operators read and write, forward and backward,
-    per micro-batch and TP rank (one forward: the recomputed one of checkpointing is
-    :func:`layer_passes`' business)."""
+    per micro-batch and TP rank (one forward: :func:`memory_seconds` adds checkpointing's
+    recomputed one)."""
     return _fused(m, seq, b, tp, sp, ab) if fused else _eager(m, seq, b, tp, sp, ab, cpu)
 
 
