@@ -72,6 +72,15 @@ CASES: Dict[str, Tuple[int, List[str]]] = {
     "tp2pp2-sp-llama": (4, ["model=llama_tiny", "parallel=tp2pp2", "parallel.sequence_parallel=true", *PP4]),
     "dp2tp2-gpt": (4, ["model=gpt_tiny", "parallel=dp2tp2"]),
     "pp4-1f1b-gpt": (4, ["model=gpt_tiny", "parallel=pp4", "parallel.schedule=1f1b", *PP4]),
+    # trainer.compile: each block compiled with Inductor (the fused count of activations.py)
+    "tp2-sp-llama-bf16-compiled": (
+        2,
+        ["model=llama_tiny", "parallel=tp2", "parallel.sequence_parallel=true", *BF16, "trainer.compile=true"],
+    ),
+    "pp2-1f1b-llama-compiled": (
+        2,
+        ["model=llama_tiny", "parallel=pp2", "parallel.schedule=1f1b", *PP4, "trainer.compile=true"],
+    ),
 }
 
 
@@ -167,7 +176,7 @@ def _measure(model, spec, rank: int, microbatches: int) -> dict:
 
 def _planned(cfg) -> Tuple[List[float], ParallelShape]:
     m = ModelShape.of(cfg.model)
-    s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg))
+    s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg), str(cfg.chip.device_type))
     ab = ActBytes.of(cfg.precision, m, "cpu")
     per_pp = [rank_activation_bytes(m, s, rank_contents(m, s, r), r, ab) for r in range(s.pp)]
     return [per_pp[s.coords(r)[1]] for r in range(s.world)], s

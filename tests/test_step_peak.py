@@ -83,7 +83,7 @@ def measured(tmp_path_factory):
         cfg = trial.prepare(composed([*BASE, *over]))
         assert layout(cfg).world_size == world, name
         m = ModelShape.of(cfg.model)
-        s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg))
+        s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg), str(cfg.chip.device_type))
         plan = memory_plan(m, s, cfg.precision, cfg.comm, cfg.chip, cfg.planner)
         planned[name] = plan.params + plan.grads + plan.activations
         by_world.setdefault(world, []).append((name, trial.build_spec(cfg)))

@@ -190,3 +190,21 @@ def determinism_env(device_type: str) -> Dict[str, str]:
     if device_type == "npu":
         return {"HCCL_DETERMINISTIC": "true"}
     return {}
+
+
+def compile_backend_name(device_type: str, requested: str = "auto") -> str:
+    """The ``torch.compile`` backend a trial's blocks get (``trainers/runtime.py compile_backend``
+    builds it): ``auto`` is Inductor, and ``aot_eager`` on an Ascend NPU; any other name as given."""
+    if requested != "auto":
+        return requested
+    return "aot_eager" if device_type == "npu" else "inductor"
+
+
+# Backends whose backward is AOTAutograd's min-cut partition, which saves the matmuls' inputs and
+# outputs and recomputes the elementwise work between them: what a compiled block keeps for its
+# backward (the planner's fused count, measured for both in tests/test_activation_bytes.py).
+# TorchAir's partition is not measured, so its blocks are planned as eager ones keep (more).
+MIN_CUT_BACKENDS = ("inductor", "aot_eager")
+# Backends that fuse each elementwise chain into one kernel (the planner's fused memory traffic);
+# aot_eager runs the captured graph's operators one by one, as eager mode does.
+FUSING_BACKENDS = ("inductor", "torchair")

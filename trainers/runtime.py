@@ -201,6 +201,4 @@ def compile_backend(device_type: str, requested: str = "auto"):
         import torchair  # type: ignore[import-not-found]
 
         return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
-    if requested != "auto":
-        return requested
-    return "aot_eager" if device_type == "npu" else "inductor"
+    return rules.compile_backend_name(device_type, requested)

@@ -24,6 +24,10 @@ rank)`` for 1F1B, Megatron's interleaved warm-up ``((p - rank - 1) 2 + (v - 1) p
 rank 0, ``p (1 + (p-1)/(p v))``), and ``min(m, p)`` on every rank for ZB-V (Qi et al. 2024: the
 same peak as 1F1B); the head and loss once (every microbatch's under GPipe).
 
+A block compiled through AOTAutograd's min-cut partition (``trainer.compile`` with Inductor or
+``aot_eager``: ``ParallelShape.min_cut``) keeps less: :func:`fused_layer_activation_bytes`,
+measured the same way on compiled blocks.
+
 The loss's own peak (:func:`loss_transient_bytes`): the gradients its backward allocates over
 the vocabulary, not saved tensors but on top of them at the step's peak; counted in
 ``activations`` of the head's rank.
@@ -138,6 +142,53 @@ def layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, a
     return out
 
 
+def fused_layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes) -> float:
+    """What one block saves compiled (``trainer.compile``: Inductor's min-cut partition of the
+    block's joint graph, which saves the matmuls' inputs and outputs and recomputes the elementwise
+    work between them in the backward), per microbatch and TP rank; as
+    :func:`layer_activation_bytes`, the activations only.
+
+    Measured with the same hooks in ``tests/test_activation_bytes.py`` (the CompiledFunction saves
+    through autograd): the block's input once (residual dtype), each norm's statistics (the
+    normalised values are recomputed from the input), each norm's output once as the linears'
+    input (one compute-dtype copy, however many linears read it), wo's output (the residual after
+    attention is recomputed from it), q and K/V at kv-heads width, the fused kernel's output and
+    log-sum-exp (and wo's input copy where :attr:`ActBytes.fused_out_copy`), or, decomposed, the
+    probabilities once in the compute dtype, two when they also need a recompute (fp32 softmax
+    over a narrower compute dtype: the scores and the cast probabilities, with the softmax's
+    per-row max and sum; dropout: the dropped ones too); the MLP's d_ff-wide tensors (2 for GELU,
+    3 for SwiGLU: SiLU is recomputed); RoPE's cos and sin cast once; dropout masks as 1-byte
+    bools (Inductor draws them itself, on a CPU as well)."""
+    T = seq * b
+    u = tp if sp else 1
+    lin, hd = ab.linear, m.d // m.heads
+    heads, kv_w = m.heads / tp, m.kv_heads * hd / tp
+    q_w = heads * hd
+    out = T / u * m.d * ab.residual  # the block's input
+    out += 2 * (2 if m.layernorm else 1) * T / u * ab.norm  # mean and rstd, or rstd
+    out += 2 * T * m.d * lin  # the norms' outputs, whole on every TP rank
+    out += T / u * m.d * lin  # wo's output
+    out += T * (q_w + 2 * kv_w) * lin  # q, k, v
+    drop = m.dropout > 0
+    if m.fused_attention:
+        out += T * q_w * lin + b * heads * seq * 4
+        out += T * q_w * lin if ab.fused_out_copy else 0.0
+    else:
+        e = b * heads * seq * seq
+        out += T * q_w * lin + seq * seq  # wo's input (a copy), the causal mask
+        recompute = ab.softmax != lin
+        if drop or recompute:
+            out += 2 * e * lin + (e if drop else 0.0) + (2 * b * heads * seq * ab.softmax if recompute else 0.0)
+        else:
+            out += e * lin
+    if not m.learned_pos and lin != 4:
+        out += seq * hd * lin
+    out += (3 if m.swiglu else 2) * T * m.d_ff / tp * lin
+    if drop:
+        out += 2 * T / u * m.d
+    return out
+
+
 def layer_weight_cast_bytes(m: ModelShape, tp: int, ab: ActBytes) -> float:
     """Autocast's compute-dtype copies of one block's fp32 matrices (kept while autocast's context
     lasts, for the backward): none unless the parameters are wider than the compute dtype."""
@@ -210,7 +261,7 @@ def rank_activation_bytes(m: ModelShape, s: ParallelShape, rc: Any, rank: int, a
     pipeline, where each forward's autocast context closes before its backward)."""
     seq, b, tp, sp = s.seq_len, s.micro_batch, s.tp, s.sequence_parallel
     layers = len(rc.layers)
-    full = layer_activation_bytes(m, seq, b, tp, sp, ab)
+    full = (fused_layer_activation_bytes if s.min_cut else layer_activation_bytes)(m, seq, b, tp, sp, ab)
     kept = checkpointed_layer_bytes(m, seq, b, tp, sp, ab) if m.checkpointing else full
     k = inflight_microbatches(s, rank)
     act = k * layers * kept + (full if m.checkpointing and layers else 0.0)

@@ -75,7 +75,7 @@ def layout_name(cfg: DictConfig) -> str:
 
 def trial_parts(cfg: DictConfig) -> StepParts:
     m = ModelShape.of(cfg.model)
-    s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg))
+    s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg), str(cfg.chip.device_type))
     return step_parts(m, s, cfg.precision, cfg.comm, cfg.chip, cfg.planner)
 
 

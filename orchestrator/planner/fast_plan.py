@@ -178,7 +178,7 @@ class FastPlanner:
         if lines:
             return FastPlan(c, lines)
         m = self.models[bool(c.activation_checkpointing)]
-        s = ParallelShape.of(cfg.parallel, cfg.trainer, Layout(c.dp, c.tp, c.pp))
+        s = ParallelShape.of(cfg.parallel, cfg.trainer, Layout(c.dp, c.tp, c.pp), str(cfg.chip.device_type))
         out = FastPlan(c, [], s, m, self.memory(m, s))
         if with_step:
             out.step = self.step(m, s)

@@ -53,7 +53,7 @@ def with_model_overrides(cfg: DictConfig, overrides: Dict[str, Any]) -> DictConf
 def plan_layout(cfg: DictConfig) -> LayoutPlan:
     """Memory and step time of ``cfg`` as composed (apply the coverage's model overrides first)."""
     m = ModelShape.of(cfg.model)
-    s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg))
+    s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg), str(cfg.chip.device_type))
     return LayoutPlan(
         s,
         memory_plan(m, s, cfg.precision, cfg.comm, cfg.chip, cfg.planner),
@@ -65,7 +65,7 @@ def state_bytes_per_rank(cfg: DictConfig) -> List[Dict[str, int]]:
     """Bytes of parameters, gradients and optimizer state every rank of ``cfg``'s layout holds,
     in rank order: what the trainer's summary reports as ``model_state_bytes``."""
     m = ModelShape.of(cfg.model)
-    s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg))
+    s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg), str(cfg.chip.device_type))
     return model_state_bytes(m, s, cfg.precision, cfg.planner)
 
 

@@ -71,6 +71,12 @@ class ModelShape:
         )
 
     @property
+    def recompute_factor(self) -> float:
+        """A layer's work per micro-batch over its forward and backward's: activation checkpointing
+        runs the forward once more, a third more (the backward is twice the forward)."""
+        return 4.0 / 3.0 if self.checkpointing else 1.0
+
+    @property
     def layer_matrices(self) -> List[Tuple[int, int]]:
         """Weight matrices of one block (no biases, as trainers/model.py): wq wk wv wo w1 w2 (w3)."""
         kv_dim = self.kv_heads * (self.d // self.heads)
@@ -141,10 +147,16 @@ class ParallelShape:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     fsdp: bool = False
-    compiled: bool = False  # trainer.compile: elementwise chains fused (planner/traffic.py)
+    # trainer.compile, by its backend (trainers.rules): the elementwise chains fused into kernels
+    # (planner/traffic.py), and the backward AOTAutograd's min-cut partition (planner/activations.py)
+    fused: bool = False
+    min_cut: bool = False
 
     @classmethod
-    def of(cls, parallel: DictConfig, trainer: DictConfig, lay: Layout) -> "ParallelShape":
+    def of(cls, parallel: DictConfig, trainer: DictConfig, lay: Layout, device_type: str = "cuda") -> "ParallelShape":
+        """``device_type``: the chip's, which picks ``trainer.compile_backend=auto``'s backend."""
+        compiled = bool(getattr(trainer, "compile", False))
+        backend = rules.compile_backend_name(device_type, str(getattr(trainer, "compile_backend", "auto")))
         split = rules.batch_split(
             int(trainer.global_batch), lay.dp, lay.pp, int(trainer.micro_batch), int(parallel.microbatches)
         )
@@ -159,7 +171,8 @@ class ParallelShape:
             virtual_stages=int(parallel.virtual_stages),
             sequence_parallel=bool(parallel.sequence_parallel) and lay.tp > 1,
             fsdp=rules.dp_wrapping(lay.dp, lay.tp, str(parallel.dp_shard)) == "fsdp",
-            compiled=bool(getattr(trainer, "compile", False)),
+            fused=compiled and backend in rules.FUSING_BACKENDS,
+            min_cut=compiled and backend in rules.MIN_CUT_BACKENDS,
         )
 
     @property

@@ -133,9 +133,9 @@ def hops(calls: int, group: int) -> float:
     return calls * math.log2(group) if group > 1 else 0.0
 
 
-def layer_passes(layers: int, s: ParallelShape, checkpointing: bool) -> float:
+def layer_passes(layers: int, s: ParallelShape, m: ModelShape) -> float:
     """Layer forward+backward dispatches per step on the busiest rank (a recomputed forward is a third more)."""
-    return layers * s.microbatches * (4.0 / 3.0 if checkpointing else 1.0)
+    return layers * s.microbatches * m.recompute_factor
 
 
 def stage_passes(s: ParallelShape) -> int:
@@ -222,7 +222,7 @@ def step_parts(
     params = params or (lambda rc, rank: rank_params(m, s, rc))
     peak_all = _peak_flops(precision, chip, s)
     flops = model_flops(m, s)
-    hw = flops * (8.0 / 6.0 if m.checkpointing else 1.0)
+    hw = flops * m.recompute_factor
     compute = hw / peak_all
     backward = compute * (0.75 if m.checkpointing else 2.0 / 3.0)
     ranks = [contents(r) for r in range(s.pp)]
@@ -254,11 +254,11 @@ def step_parts(
         tp_hops=hops(tp_calls, s.tp),
         pp_hops=float(pp_calls),
         dp_hops=hops(n_dp, s.dp),
-        layer_passes=layer_passes(layers, s, m.checkpointing),
+        layer_passes=layer_passes(layers, s, m),
         stage_passes=stage_passes(s),
         host_async=chip.device_type != "cpu",
         host=host or HostCosts.of(planner),
-        tp_layer_passes=layer_passes(layers, s, m.checkpointing) if s.tp > 1 else 0.0,
+        tp_layer_passes=layer_passes(layers, s, m) if s.tp > 1 else 0.0,
         share=cpu_share(s, chip, planner),
         tp_wait=group_wait(s.tp, s, chip, planner),
         pp_wait=group_wait(2 if s.pp > 1 else 1, s, chip, planner),

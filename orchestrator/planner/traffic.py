@@ -11,7 +11,8 @@ of a layer's time, at 20k wide a few percent (``bench/published_throughput.py``)
 Counted tensor by tensor, as :mod:`orchestrator.planner.activations` counts what autograd saves,
 in units of "passes" (one read or one write of a whole tensor), forward and backward:
 
-- eager (each operator its own kernel, ``trainer.compile=false``): the trainer's operators as
+- eager (each operator its own kernel: ``trainer.compile=false``, or a backend that runs the
+  captured graph's operators one by one, ``aot_eager``, the NPU's ``auto``): the trainer's operators as
   they dispatch (``trainers/model.py``): residual adds 3 passes forward and their gradient sums 3
   backward; LayerNorm 2 + 3, the module's RMSNorm (seven elementwise products and a mean) 31;
   GELU 2 + 3 of the d_ff-wide tensor, SwiGLU 14; RoPE 26.5 of each rotated tensor (slices,
@@ -24,7 +25,8 @@ in units of "passes" (one read or one write of a whole tensor), forward and back
   dropout (``native_dropout``: 2 passes and a 1-byte mask each way; a CPU's fallback draws the
   mask in the dropped tensor's dtype, 9 passes). ``tests/test_memory_traffic.py`` counts the
   trainer's own operators with a dispatch mode, knob by knob, on a CPU: within 7%.
-- fused (``trainer.compile=true``, or a framework's hand-fused kernels such as Megatron-LM's):
+- fused (``trainer.compile=true`` with a fusing backend, ``trainers.rules.FUSING_BACKENDS``:
+  Inductor, TorchAir; or a framework's hand-fused kernels such as Megatron-LM's):
   every elementwise chain between two matmuls is one kernel that reads its inputs and writes its
   outputs once: forward the norm (read x, write its output), RoPE (q and k read and written), the
   residual add fused with the next norm, the MLP's activation (reads the up projections, writes
@@ -164,6 +166,6 @@ def memory_seconds(
         return 0.0
     ab = ActBytes.of(precision, m, chip.device_type)
     args = (m, s.seq_len, s.micro_batch, s.tp)
-    layer = layer_traffic_bytes(*args, s.sequence_parallel, ab, s.compiled, chip.device_type == "cpu")
-    per_mb = m.layers * layer * (4.0 / 3.0 if m.checkpointing else 1.0) + head_traffic_bytes(*args, ab, s.compiled)
+    layer = layer_traffic_bytes(*args, s.sequence_parallel, ab, s.fused, chip.device_type == "cpu")
+    per_mb = m.layers * layer * m.recompute_factor + head_traffic_bytes(*args, ab, s.fused)
     return per_mb * s.microbatches / s.pp / (gbps * 1e9 * float(planner.memory_efficiency))

@@ -1,0 +1,90 @@
+"""What ``trainer.compile`` changes in the plan, by the backend a trial's blocks get
+(``trainers.rules.compile_backend_name``), and the compiled plan against the H200's allocator.
+
+- Memory: a block compiled through AOTAutograd's min-cut partition (Inductor, and ``aot_eager``,
+  the NPU's ``auto``) saves the matmuls' inputs and outputs and recomputes the elementwise work
+  between them (``activations.fused_layer_activation_bytes``, measured with saved-tensor hooks in
+  ``tests/test_activation_bytes.py`` and per rank in ``tests/test_rank_activations.py``). TorchAir's
+  partition is not measured; its blocks are planned as eager ones keep, the larger count.
+- Step time: only a backend that fuses kernels (Inductor, TorchAir) has the fused memory traffic
+  of ``planner/traffic.py``; ``aot_eager`` runs the captured graph's operators one by one.
+- On the H200 (``bench/device_check.py``, 2026-12-04, second call; docs/benchmarks.md), the
+  caching allocator's peak: llama_1b 87.86 GiB eager and 64.85 GiB compiled (bf16 and fp16),
+  gpt2_small 9.68 GiB eager. The plan's allocator-side terms (parameters, gradients, optimizer
+  state, activations with the loss's peak: ``planned_alloc_gb`` of the check) are held to them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import planner
+from orchestrator.layout import layout
+from orchestrator.planner import ParallelShape
+from tests.test_planner_device_steps import GPT2, LLAMA
+
+
+@pytest.mark.parametrize(
+    "device,backend,fused,min_cut",
+    [
+        ("cuda", "auto", True, True),  # Inductor
+        ("cpu", "auto", True, True),  # Inductor
+        ("npu", "auto", False, True),  # aot_eager: AOTAutograd's partition, eager kernels
+        ("npu", "torchair", True, False),  # fused by the graph engine; its partition unmeasured
+        ("cuda", "aot_eager", False, True),
+        ("cuda", "eager", False, False),  # Dynamo's capture only, no AOTAutograd
+    ],
+)
+def test_the_backend_decides_what_compile_changes(compose_cfg, device, backend, fused, min_cut):
+    cfg = compose_cfg(["trainer.compile=true", f"trainer.compile_backend={backend}"])
+    s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg), device)
+    assert (s.fused, s.min_cut) == (fused, min_cut)
+    off = compose_cfg(["trainer.compile=false", f"trainer.compile_backend={backend}"])
+    s = ParallelShape.of(off.parallel, off.trainer, layout(off), device)
+    assert (s.fused, s.min_cut) == (False, False)
+
+
+def _plan(compose_cfg, overrides):
+    return planner.preflight(compose_cfg(overrides))
+
+
+ASCEND = ["+chip=ascend910b", "precision=bf16", *LLAMA]
+
+
+def test_the_npu_s_default_compile_keeps_less_at_the_same_traffic(compose_cfg):
+    """``aot_eager`` on the NPU: the min-cut partition's activations, eager kernels' step time;
+    ``torchair``: fused traffic, the eager count of activations."""
+    eager = _plan(compose_cfg, [*ASCEND, "trainer.compile=false"])
+    auto = _plan(compose_cfg, [*ASCEND, "trainer.compile=true"])
+    torchair = _plan(compose_cfg, [*ASCEND, "trainer.compile=true", "trainer.compile_backend=torchair"])
+    assert auto["memory_gb"]["activations"] < 0.8 * eager["memory_gb"]["activations"]
+    assert auto["step"]["step_time_s"] == pytest.approx(eager["step"]["step_time_s"])
+    assert torchair["memory_gb"]["activations"] == pytest.approx(eager["memory_gb"]["activations"])
+    assert torchair["step"]["step_time_s"] < 0.9 * eager["step"]["step_time_s"]
+
+
+def _allocator_gb(pre) -> float:
+    return sum(pre["memory_gb"][k] for k in ("params", "grads", "optimizer", "activations"))
+
+
+# (case, the check's overrides, the allocator's peak in GiB)
+H200_PEAKS = [
+    ("gpt2_small", [*GPT2, "precision=bf16", "trainer.compile=false"], 9.68),
+    ("llama_1b", [*LLAMA, "precision=bf16", "trainer.compile=false"], 87.86),
+    ("llama_1b+compile", [*LLAMA, "precision=bf16", "trainer.compile=true"], 64.85),
+    ("llama_1b+compile fp16", [*LLAMA, "precision=fp16", "trainer.compile=true"], 64.85),
+]
+
+
+@pytest.mark.parametrize("name,overrides,peak_gb", H200_PEAKS, ids=[r[0] for r in H200_PEAKS])
+def test_the_allocator_side_plan_is_within_5_percent_of_the_h200_s_peak(compose_cfg, name, overrides, peak_gb):
+    planned = _allocator_gb(_plan(compose_cfg, ["+chip=h200", *overrides]))
+    assert planned / peak_gb == pytest.approx(1.0, abs=0.05), (name, planned, peak_gb)
+
+
+def test_what_compile_saves_on_the_h200_is_planned(compose_cfg):
+    """Compiled, llama_1b's peak fell by 23.0 GiB (87.86 -> 64.85); the eager count planned for
+    both (the plan before the fused count) would have been 38% over the compiled peak."""
+    eager = _allocator_gb(_plan(compose_cfg, ["+chip=h200", "precision=bf16", *LLAMA, "trainer.compile=false"]))
+    compiled = _allocator_gb(_plan(compose_cfg, ["+chip=h200", "precision=bf16", *LLAMA, "trainer.compile=true"]))
+    assert eager - compiled == pytest.approx(87.86 - 64.85, rel=0.1), (eager, compiled)
