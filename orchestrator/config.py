@@ -168,7 +168,9 @@ class PlannerConfig:
     # each collective's wait for the slowest rank of its group (measured on this repo's 2-core CI
     # host: ~5 ms a gpt_mini layer forward and backward for DTensor on a one-rank mesh alone, ~30 ms
     # with a tp2 group; bench/plan_calibration.py fits it). Hidden behind an accelerator's kernels
-    # when shorter than them, like layer_host_us
+    # when shorter than them, like layer_host_us. Eager blocks only: compiled through AOTAutograd
+    # (trainer.compile with inductor, aot_eager, torchair) DTensor is traced away, and TP adds
+    # a layer only its collectives (bench/compile_host.py)
     tp_layer_host_us: float = 2000.0
     # CPU chip only: the host cores that a node's worker processes share (0: the cores this
     # process may use, trainers/host.py: its affinity and its cgroup's CPU quota). The trainer

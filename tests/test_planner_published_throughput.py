@@ -5,11 +5,11 @@ layout and batch by ``bench/published_throughput.py``.
 
 The defaults were derived elsewhere (the compute efficiency from one H200's llama_1b steps,
 ``tests/test_planner_device_steps.py``; the memory bandwidths from datasheets), so the table is a
-test of the model, not a fit to it: 9 of its 10 rows within 10% of the published teraFLOP/s
-(7.5B at 0.88: the planner charges it this trainer's per-layer DTensor dispatch under TP, which
-Megatron-LM does not pay), none past 15%, and no trend with size (before the memory-traffic term
-the ratio fell from 1.07 at 1.7B to 0.77 at 1T: a flat efficiency charged the small models'
-memory-bound operators to their matmuls)."""
+test of the model, not a fit to it: every row within 10% of the published teraFLOP/s, and no
+trend with size (before the memory-traffic term the ratio fell from 1.07 at 1.7B to 0.77 at 1T: a
+flat efficiency charged the small models' memory-bound operators to their matmuls; 7.5B was at
+0.88 while the planner charged compiled TP blocks DTensor's per-operator cost, which tracing
+removes, ``bench/compile_host.py``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import published_throughput  # noqa: E402
 def test_the_planner_predicts_the_published_throughput_row_by_row():
     rows = [published_throughput.predict(r, 1, "1f1b", 1) for r in published_throughput.TABLE]
     ratios = [r["ratio"] for r in rows]
-    assert all(0.85 < x < 1.15 for x in ratios), ratios
-    assert sum(abs(x - 1) <= 0.10 for x in ratios) >= 9, ratios
+    assert all(abs(x - 1) <= 0.10 for x in ratios), ratios
     small, large = sum(ratios[:3]) / 3, sum(ratios[-3:]) / 3
     assert 0.9 < large / small < 1.1, ratios

@@ -166,15 +166,15 @@ def _block_plan(block: Any, sp: bool) -> Dict[str, Any]:
     }
     if block.mlp.w3 is not None:
         plan["mlp.w3"] = ColwiseParallel()
+    # Each sub-layer's input enters as one replicated DTensor that its column-parallel linears
+    # share: their input gradients (partial sums on each rank) add up on it, and one collective
+    # makes them whole in the backward (Megatron's "f"; with sequence parallelism the reduce-
+    # scatter back to the sequence shard). Given to each linear as a plain tensor, each would
+    # all-reduce its own: 3 for q/k/v and 2 for SwiGLU's w1/w3 instead of 1 and 1.
+    plan["attn"] = PrepareModuleInput(input_layouts=(act, None), desired_input_layouts=(Replicate(), None))
+    plan["mlp"] = PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),))
     if sp:
-        plan.update(
-            {
-                "attn_norm": SequenceParallel(),
-                "mlp_norm": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            }
-        )
+        plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
     return plan
 
 

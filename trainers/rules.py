@@ -200,6 +200,11 @@ def compile_backend_name(device_type: str, requested: str = "auto") -> str:
     return "aot_eager" if device_type == "npu" else "inductor"
 
 
+# Backends that trace through AOTAutograd, which turns DTensor into plain local tensors and
+# functional collectives: DTensor's per-operator work (sharding propagation, redistributions) is
+# paid once, at trace time (bench/compile_host.py: TP's added host cost a layer falls to its
+# collectives' own). TorchAir is one (its backend is built on aot_module_simplified).
+AOT_BACKENDS = ("inductor", "aot_eager", "torchair")
 # Backends whose backward is AOTAutograd's min-cut partition, which saves the matmuls' inputs and
 # outputs and recomputes the elementwise work between them: what a compiled block keeps for its
 # backward (the planner's fused count, measured for both in tests/test_activation_bytes.py).

@@ -147,10 +147,7 @@ class ParallelShape:
     virtual_stages: int = 1
     sequence_parallel: bool = False
     fsdp: bool = False
-    # trainer.compile, by its backend (trainers.rules): the elementwise chains fused into kernels
-    # (planner/traffic.py), and the backward AOTAutograd's min-cut partition (planner/activations.py)
-    fused: bool = False
-    min_cut: bool = False
+    compiled: str = ""  # trainer.compile's backend for the chip (trainers.rules), "" when eager
 
     @classmethod
     def of(cls, parallel: DictConfig, trainer: DictConfig, lay: Layout, device_type: str = "cuda") -> "ParallelShape":
@@ -171,13 +168,27 @@ class ParallelShape:
             virtual_stages=int(parallel.virtual_stages),
             sequence_parallel=bool(parallel.sequence_parallel) and lay.tp > 1,
             fsdp=rules.dp_wrapping(lay.dp, lay.tp, str(parallel.dp_shard)) == "fsdp",
-            fused=compiled and backend in rules.FUSING_BACKENDS,
-            min_cut=compiled and backend in rules.MIN_CUT_BACKENDS,
+            compiled=backend if compiled else "",
         )
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def fused(self) -> bool:
+        """Elementwise chains fused into kernels (the fused memory traffic, planner/traffic.py)."""
+        return self.compiled in rules.FUSING_BACKENDS
+
+    @property
+    def min_cut(self) -> bool:
+        """The blocks' backward is AOTAutograd's min-cut partition (planner/activations.py)."""
+        return self.compiled in rules.MIN_CUT_BACKENDS
+
+    @property
+    def traced(self) -> bool:
+        """DTensor traced into plain tensors: no per-operator TP host cost (planner/step_time.py)."""
+        return self.compiled in rules.AOT_BACKENDS
 
     @property
     def chunks_per_rank(self) -> int:

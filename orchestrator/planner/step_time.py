@@ -21,11 +21,10 @@
   the forward through the backward
   (``reshard_after_forward=False`` in ``trainers/assembly.py``; FSDP2 never reshards a root
   after the forward anyway, torch ``_fully_shard/_fsdp_state.py``).
-- TP (Megatron): per layer and microbatch 2 all-reduces of s b h forward and 2 backward (2 more
-  when recomputing); sequence parallelism turns each into all-gather + reduce-scatter of the
-  same volume (Korthikanti et al. sec. 4.2.2). Over the intra-node link, not overlapped.
-- PP: each microbatch sends its activation forward and its gradient back across each of the
-  rank's stage boundaries, not overlapped.
+- TP and PP (:mod:`.mesh_comm`): per layer and microbatch 2 all-reduces of s b h forward and 2
+  backward (1 more when recomputing; with sequence parallelism each an all-gather and a
+  reduce-scatter, and the norms' gradients all-reduced); each micro-batch's activation and
+  gradient across each stage boundary. Not overlapped.
 - every collective costs the chip's ``collective_latency_us`` (or the planner's, a calibration's)
   plus ``collective_hop_us`` per log2 of its group's size, plus its bytes over
   ``comm_efficiency`` of the chip's nominal per-device bandwidth (Hockney's alpha-beta model,
@@ -49,8 +48,10 @@
   per-stage cost always adds: each stage boundary is a wait. With tensor parallelism,
   ``tp_layer_host_us`` per layer and micro-batch more (DTensor's sharding propagation on every
   sharded op, the redistributions, each collective's wait for the slowest rank), counted as the
-  dispatch is. Defaults are assumptions, to be fitted (``--calibrate``). On a CPU host, FSDP's
-  bytes are the rank's cores' work too, at the chip's ``host_copy_gbps`` (:func:`fsdp_host_s`).
+  dispatch is; none when the blocks are compiled through AOTAutograd, which traces DTensor into
+  plain tensors (``ParallelShape.traced``; measured by ``bench/compile_host.py``). Defaults are
+  assumptions, to be fitted (``--calibrate``). On a CPU host, FSDP's bytes are the rank's cores'
+  work too, at the chip's ``host_copy_gbps`` (:func:`fsdp_host_s`).
 - a CPU "device" is a worker process, and a node's workers share the host's cores
   (``planner.host_cores``, 0: this machine's): the trainer gives each ``cores // workers``
   threads, at least one (``trainers/runtime.py select_device``), so the node's demand is
@@ -73,13 +74,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from omegaconf import DictConfig
 
 from orchestrator.planner import traffic
 from orchestrator.planner.cpu_host import cpu_share, group_wait, lockstep
-from orchestrator.planner.dp_comm import allreduce_bytes, dp_calls, dp_traffic_bytes, fsdp_host_s
+from orchestrator.planner.dp_comm import dp_calls, dp_traffic_bytes, fsdp_host_s
+from orchestrator.planner.mesh_comm import link, mesh_comm
 from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, rank_contents, rank_params
 from trainers import rules
 
@@ -93,12 +95,6 @@ def model_flops(m: ModelShape, s: ParallelShape) -> float:
     """(6 N + 12 L h s) per token, PaLM's count (attention scores included, recompute not)."""
     tokens = s.dp * s.microbatches * s.micro_batch * s.seq_len
     return (6.0 * m.n_params + 12.0 * m.layers * m.d * s.seq_len) * tokens
-
-
-def _link(chip: DictConfig, ranks_spanned: int) -> float:
-    """Per-device bandwidth, bytes/s, of a group whose ranks span this many consecutive devices."""
-    gbps = chip.intra_node_gbps if ranks_spanned <= int(chip.devices_per_node) else chip.inter_node_gbps
-    return max(float(gbps), 1e-9) * 1e9
 
 
 @dataclass(frozen=True)
@@ -228,9 +224,9 @@ def step_parts(
     ranks = [contents(r) for r in range(s.pp)]
     layers = max(len(rc.layers) for rc in ranks)
     memory = traffic.memory_seconds(m, s, precision, chip, planner)
-    tp_s, tp_calls, pp_s, pp_calls = _mesh_comm(m, s, chip, layers, BYTES[precision.compute_dtype])
+    tp_s, tp_calls, pp_s, pp_calls = mesh_comm(m, s, chip, layers, BYTES[precision.compute_dtype])
     n = max(params(rc, r) for r, rc in enumerate(ranks))
-    dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / _link(chip, s.world)
+    dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / link(chip, s.world)
     n_dp = dp_calls(m, s, n, layers, precision, comm, planner)
     # the bucket (or FSDP unit) whose gradients the backward makes last is reduced after it: at
     # most (n - 1) / n of the traffic can hide (one 25 MiB bucket holding every gradient hides none)
@@ -258,7 +254,7 @@ def step_parts(
         stage_passes=stage_passes(s),
         host_async=chip.device_type != "cpu",
         host=host or HostCosts.of(planner),
-        tp_layer_passes=layer_passes(layers, s, m) if s.tp > 1 else 0.0,
+        tp_layer_passes=layer_passes(layers, s, m) if s.tp > 1 and not s.traced else 0.0,
         share=cpu_share(s, chip, planner),
         tp_wait=group_wait(s.tp, s, chip, planner),
         pp_wait=group_wait(2 if s.pp > 1 else 1, s, chip, planner),
@@ -274,23 +270,6 @@ def _peak_flops(precision: DictConfig, chip: DictConfig, s: ParallelShape) -> fl
     preset gives."""
     peak = float(chip.peak_tflops.get(precision.compute_dtype, chip.peak_tflops.get("fp32", 0.0))) * 1e12
     return max(peak, 1e-9) * (1 if chip.device_type == "cpu" else s.world)
-
-
-def _mesh_comm(
-    m: ModelShape, s: ParallelShape, chip: DictConfig, layers: int, act_b: int
-) -> Tuple[float, int, float, int]:
-    """Seconds and calls of the tensor-parallel all-reduces (4 per layer and micro-batch, 6 with
-    recomputation) and of the pipeline's sends (one activation each way per micro-batch and chunk)."""
-    msg = s.seq_len * s.micro_batch * m.d * act_b
-    tp_s, tp_calls = 0.0, 0
-    if s.tp > 1:
-        tp_calls = (6 if m.checkpointing else 4) * layers * s.microbatches
-        tp_s = tp_calls * allreduce_bytes(msg, s.tp) / _link(chip, s.tp)
-    pp_s, pp_calls = 0.0, 0
-    if s.pp > 1:
-        pp_calls = 2 * s.microbatches * s.chunks_per_rank
-        pp_s = pp_calls * msg / (s.tp if s.sequence_parallel else 1) / _link(chip, s.tp * s.pp)
-    return tp_s, tp_calls, pp_s, pp_calls
 
 
 class _Scalars:
