@@ -13,7 +13,7 @@ SDPA's math path, which no accelerator kernel is).
 
 Compiled (``trainer.compile``: the block compiled with Inductor, as ``trainers/assembly.py`` does)
 the block saves through autograd as well (its CompiledFunction's ``save_for_backward``), so the
-same hooks count it: on the cases of ``COMPILED_CASES`` the planner's fused count
+same hooks count it: on the cases of ``COMPILED_CASES`` (the other 13 in docs/planner.md) the planner's fused count
 (:func:`fused_layer_activation_bytes`) is to the byte or within 0.3% of it. Compiled, the blocks
 here save 0.64-1.00 of what they save eagerly (Llama-shaped ones 0.64-0.78: SiLU, the RMSNorm's
 normalised values, autocast's casts and the softmax recomputed)."""
@@ -92,15 +92,13 @@ CASES = {
     "llama-bf16-no-fp32ops": (LLAMA_TINY, {}, "bf16", "bf16", []),
     "llama-bf16-decomposed": (LLAMA_TINY, dict(attn_impl="decomposed"), "bf16", "bf16", ALL_FP32),
 }
-# one of each branch of the fused count: LayerNorm and GELU, dropout, autocast's casts, the fp32
-# softmax's recompute, GQA, RMSNorm, SwiGLU and RoPE; fused and decomposed attention
+# each branch of the fused count once (each case compiles a block, 2-5 s): LayerNorm, GELU,
+# dropout with an fp32 softmax over bf16; autocast's casts, RMSNorm, SwiGLU, RoPE and GQA with the
+# fused kernel; the decomposed probabilities kept once (fp32) and recomputed (fp32 softmax, bf16)
 COMPILED_CASES = [
-    "gpt-fused",
     "gpt-bf16-decomposed-dropout",
-    "gpt-fp32params-bf16",
-    "llama-fused-gqa",
-    "llama-decomposed-gqa",
     "llama-fp32params-bf16",
+    "llama-decomposed-gqa",
     "llama-bf16-decomposed",
 ]
 CKPT_CASES = ["gpt-fused", "llama-fused-gqa", "gpt-fp32params-bf16", "llama-bf16-fp32ops"]
