@@ -108,7 +108,7 @@ def predict(row, micro_batch: int, schedule: str, virtual_stages: int, compute_e
     # its sec. 2.1 and 3.4); this trainer shards the replicas (FSDP) wherever TP is on, and FSDP
     # gathers the parameters again for every micro-batch: planned as the trainer would run them,
     # the paper's rows of 16-512 micro-batches a replica would be 2.3-4.2x slower than published
-    s = dataclasses.replace(ParallelShape.of(cfg.parallel, cfg.trainer, lay), fsdp=False)
+    s = dataclasses.replace(ParallelShape.of(cfg.parallel, cfg.trainer, lay, str(cfg.chip.device_type)), fsdp=False)
     est = step_time(m, s, cfg.precision, cfg.comm, cfg.chip, cfg.planner)
     billions, _, hidden, layers, t, p, gpus, batch, published = row
     tflops = paper_flops(batch, layers, hidden) / (est.step_time_s * gpus) / 1e12

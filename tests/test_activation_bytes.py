@@ -121,13 +121,13 @@ def tokens():
     return torch.randint(0, 256, (B, SEQ), generator=g), torch.randint(0, 256, (B, SEQ), generator=g)
 
 
-def measured(case: str, compiled: bool = False) -> dict:
+def measured(case: str, compiled: str = "") -> dict:
     """Bytes saved by block 1, by the embedding (its forward up to block 0), and from the final
-    norm on (norm, head, loss); ``compiled``: block 1 compiled with Inductor."""
+    norm on (norm, head, loss); ``compiled``: block 1 compiled with this backend."""
     model, pargs, _, _ = build(case)
     if compiled:
         torch._dynamo.reset()
-        model.layers["1"].compile(backend="inductor")
+        model.layers["1"].compile(backend=compiled)
     x, y = tokens()
     counters = {k: SavedBytes(model) for k in ("block", "head", "embedding")}
     ctxs = {k: c.hooks() for k, c in counters.items()}
@@ -172,8 +172,19 @@ def test_planned_block_head_and_embedding_bytes_are_what_autograd_saves(case):
 def test_planned_fused_block_bytes_are_what_the_compiled_block_saves(case):
     _, _, m, ab = build(case)
     want = fused_layer_activation_bytes(m, SEQ, B, 1, False, ab) + layer_weight_cast_bytes(m, 1, ab)
-    got = measured(case, compiled=True)["block"]
+    got = measured(case, compiled="inductor")["block"]
     assert want == pytest.approx(got, rel=0.01), (case, got, want)
+
+
+@pytest.mark.parametrize("case", ["llama-fp32params-bf16", "llama-bf16-fp32ops"])
+def test_aot_eager_blocks_keep_no_more_than_the_eager_count(case):
+    """``aot_eager`` (the NPU's ``auto``) is planned with the eager count (``trainers.rules``): on
+    Llama-shaped blocks with the fused kernel it keeps the fused count, 0.65-0.75 of the eager one."""
+    _, _, m, ab = build(case)
+    eager = layer_activation_bytes(m, SEQ, B, 1, False, ab) + layer_weight_cast_bytes(m, 1, ab)
+    fused = fused_layer_activation_bytes(m, SEQ, B, 1, False, ab) + layer_weight_cast_bytes(m, 1, ab)
+    got = measured(case, compiled="aot_eager")["block"]
+    assert got == pytest.approx(fused, rel=0.01) and got < eager, (case, got, fused, eager)
 
 
 def test_dropout_counts_only_when_set():

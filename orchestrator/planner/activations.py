@@ -24,9 +24,9 @@ rank)`` for 1F1B, Megatron's interleaved warm-up ``((p - rank - 1) 2 + (v - 1) p
 rank 0, ``p (1 + (p-1)/(p v))``), and ``min(m, p)`` on every rank for ZB-V (Qi et al. 2024: the
 same peak as 1F1B); the head and loss once (every microbatch's under GPipe).
 
-A block compiled through AOTAutograd's min-cut partition (``trainer.compile`` with Inductor or
-``aot_eager``: ``ParallelShape.min_cut``) keeps less: :func:`fused_layer_activation_bytes`,
-measured the same way on compiled blocks.
+A block compiled with Inductor (``trainer.compile``: ``ParallelShape.min_cut``) keeps less:
+:func:`fused_layer_activation_bytes`, measured the same way on compiled blocks
+(:func:`block_activation_bytes` picks the count).
 
 The loss's own peak (:func:`loss_transient_bytes`): the gradients its backward allocates over
 the vocabulary, not saved tensors but on top of them at the step's peak; counted in
@@ -253,6 +253,14 @@ def inflight_microbatches(s: ParallelShape, rank: int) -> float:
     return float(min(s.microbatches, s.pp - rank))
 
 
+def block_activation_bytes(m: ModelShape, s: ParallelShape, ab: ActBytes) -> float:
+    """One block's activations per microbatch, by how the trial runs it: compiled with Inductor
+    (:func:`fused_layer_activation_bytes`), else as eager mode keeps them (``aot_eager`` and
+    TorchAir too: ``trainers.rules``)."""
+    count = fused_layer_activation_bytes if s.min_cut else layer_activation_bytes
+    return count(m, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, ab)
+
+
 def rank_activation_bytes(m: ModelShape, s: ParallelShape, rc: Any, rank: int, ab: ActBytes) -> float:
     """Activation bytes pipeline rank ``rank`` (holding ``rc``) keeps at its peak: its in-flight
     microbatches' blocks (inputs only under checkpointing, plus one block's full set while it
@@ -261,7 +269,7 @@ def rank_activation_bytes(m: ModelShape, s: ParallelShape, rc: Any, rank: int, a
     pipeline, where each forward's autocast context closes before its backward)."""
     seq, b, tp, sp = s.seq_len, s.micro_batch, s.tp, s.sequence_parallel
     layers = len(rc.layers)
-    full = (fused_layer_activation_bytes if s.min_cut else layer_activation_bytes)(m, seq, b, tp, sp, ab)
+    full = block_activation_bytes(m, s, ab)
     kept = checkpointed_layer_bytes(m, seq, b, tp, sp, ab) if m.checkpointing else full
     k = inflight_microbatches(s, rank)
     act = k * layers * kept + (full if m.checkpointing and layers else 0.0)

@@ -182,7 +182,7 @@ class ParallelShape:
 
     @property
     def min_cut(self) -> bool:
-        """The blocks' backward is AOTAutograd's min-cut partition (planner/activations.py)."""
+        """The blocks' backward is Inductor's min-cut partition (planner/activations.py)."""
         return self.compiled in rules.MIN_CUT_BACKENDS
 
     @property
