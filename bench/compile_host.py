@@ -20,7 +20,6 @@ with what TP adds (tp2 minus tp1) beside. One gloo process per TP rank, one thre
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -52,8 +51,8 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     import torch.distributed as dist
 
     from trainers.config import ModelConfig, ParallelConfig
-    from trainers.model import GPT, cross_entropy
-    from trainers.parallel import apply_tp, build_mesh, vocab_parallel_cross_entropy
+    from trainers.model import GPT
+    from trainers.parallel import apply_tp, build_mesh, loss_fn
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -63,11 +62,7 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
         g = torch.Generator().manual_seed(0)
         x = torch.randint(0, SHAPE["vocab_size"], (1, SHAPE["max_seq_len"]), generator=g)
         y = torch.randint(0, SHAPE["vocab_size"], (1, SHAPE["max_seq_len"]), generator=g)
-        loss = (
-            functools.partial(vocab_parallel_cross_entropy, group=mesh.group("tp"), vocab_size=SHAPE["vocab_size"])
-            if world > 1
-            else cross_entropy
-        )
+        loss = loss_fn(mesh, SHAPE["vocab_size"])  # the trainer's: vocab-parallel where tp > 1
         models = {}
         for backend in args.backends:
             for n in args.layers:

@@ -21,7 +21,6 @@ charges a CPU rank for FSDP's bytes (``planner/step_time.py``).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -51,8 +50,8 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
 
     from orchestrator import conf_dir
     from trainers.config import ModelConfig, ParallelConfig
-    from trainers.model import GPT, cross_entropy
-    from trainers.parallel import apply_fsdp, apply_tp, build_mesh, vocab_parallel_cross_entropy
+    from trainers.model import GPT
+    from trainers.parallel import apply_fsdp, apply_tp, build_mesh, loss_fn
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -64,11 +63,7 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
         g = torch.Generator().manual_seed(rank // args.tp)
         x = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq), generator=g)
         y = torch.randint(0, margs.vocab_size, (args.micro_batch, args.seq), generator=g)
-        loss = (
-            functools.partial(vocab_parallel_cross_entropy, group=mesh.group("tp"), vocab_size=margs.vocab_size)
-            if args.tp > 1
-            else cross_entropy
-        )
+        loss = loss_fn(mesh, margs.vocab_size)  # the trainer's: vocab-parallel where tp > 1
         models = {}
         for wrapped in (False, True):
             model = GPT(margs, seed=0)
