@@ -51,17 +51,18 @@ def _unless(cond: Callable[[DictConfig, Layout], bool], why: str) -> Rule:
 RULES: Dict[str, Rule] = {
     "comm.bucket_mb": _unless(
         lambda c, lay: _wrapping(c, lay) == "ddp",
-        "DDP gradient buckets exist only with DDP (parallel.dp>1, parallel.tp=1, parallel.dp_shard=ddp)",
+        "gradient buckets exist only with whole replicas (parallel.dp>1, parallel.dp_shard=ddp)",
     ),
     "comm.compression": _unless(
         lambda c, lay: _wrapping(c, lay) == "ddp",
-        "gradient compression hooks DDP's all-reduce (parallel.dp>1, tp=1, dp_shard=ddp)",
+        "gradient compression acts on the all-reduce between whole replicas (parallel.dp>1, dp_shard=ddp)",
     ),
     "comm.topk_ratio": _unless(
-        lambda c, lay: _wrapping(c, lay) == "ddp" and c.comm.compression == "topk", "read by comm.compression=topk only"
+        lambda c, lay: _wrapping(c, lay) == "ddp" and lay.tp == 1 and c.comm.compression == "topk",
+        "read by comm.compression=topk only",
     ),
     "comm.powersgd_rank": _unless(
-        lambda c, lay: _wrapping(c, lay) == "ddp" and c.comm.compression == "powersgd",
+        lambda c, lay: _wrapping(c, lay) == "ddp" and lay.tp == 1 and c.comm.compression == "powersgd",
         "read by comm.compression=powersgd only",
     ),
     "comm.overlap": _unless(lambda c, lay: lay.dp > 1, "with one replica there is no gradient reduction to overlap"),
@@ -80,11 +81,7 @@ RULES: Dict[str, Rule] = {
         lambda c, lay: lay.pp > 1 and c.parallel.schedule == "interleaved_1f1b",
         "read by parallel.schedule=interleaved_1f1b only",
     ),
-    "parallel.dp_shard": _unless(
-        lambda c, lay: lay.dp > 1 and lay.tp == 1,
-        "chooses DDP or FSDP only where parallel.dp>1 and parallel.tp=1 "
-        "(with tensor parallelism the replicas are always FSDP)",
-    ),
+    "parallel.dp_shard": _unless(lambda c, lay: lay.dp > 1, "with one replica there is no data parallelism"),
     "parallel.sequence_parallel": _unless(lambda c, lay: lay.tp > 1, "sequence parallelism needs parallel.tp>1"),
     "trainer.micro_batch": _unless(
         lambda c, lay: lay.pp == 1, "with a pipeline, parallel.microbatches cuts the batch instead"

@@ -89,7 +89,11 @@ def table(plans: List[planner.LayoutPlan]) -> str:
         sched = s.schedule if s.pp > 1 else "-"
         if s.schedule == "interleaved_1f1b" and s.pp > 1:
             sched += f"(v={s.virtual_stages})"
-        name = Layout(s.dp, s.tp, s.pp).name + ("+sp" if s.sequence_parallel else "") + ("+fsdp" if s.fsdp else "")
+        name = (
+            Layout(s.dp, s.tp, s.pp).name
+            + ("+sp" if s.sequence_parallel else "")
+            + (f"+{s.wrapping}" if s.wrapping not in ("none", "ddp") else "")
+        )
         mem = "".join(f"{_gb(g[k]):>8}" for k in ("params", "grads", "optimizer", "activations", "buffers", "total"))
         rows.append(
             f"{name:<14}{s.microbatches:>5} {sched:<17}{mem}"
@@ -113,7 +117,7 @@ def space_table(plans: List[search.SpacePlan]) -> str:
     for p in plans:
         c, s = p.candidate, p.shape
         pipe = s.pp > 1
-        shard = "fsdp" if s.fsdp else "ddp" if s.dp > 1 else "-"
+        shard = s.wrapping if s.dp > 1 else "-"
         rows.append(
             f"{c.layout:<14}{s.micro_batch:>4}{(s.microbatches if pipe else '-'):>5} "
             f"{(s.schedule if pipe else '-'):<17}{(s.chunks_per_rank if pipe else '-'):>3} "

@@ -26,7 +26,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 COMPRESSIONS = ("none", "fp16", "bf16", "powersgd", "topk")
 CHOICES = {
     "parallel.schedule": SCHEDULES,
-    "parallel.dp_shard": ("ddp", "fsdp"),
+    "parallel.dp_shard": rules.DP_MODES,
     "precision.param_dtype": DTYPES,
     "precision.compute_dtype": DTYPES,
     "precision.loss_scale": ("none", "dynamic", "static"),

@@ -52,10 +52,15 @@ def layout_rules(cfg: DictConfig, err: Callable[[str], None]) -> Optional[Layout
         )
     if lay.pp > 1:
         _pipeline_rules(cfg, lay, per_replica, rem, err)
-    if c.compression != "none" and (lay.dp == 1 or lay.tp > 1 or p.dp_shard != "ddp"):
+    if c.compression != "none" and (lay.dp == 1 or p.dp_shard != "ddp"):
         err(
-            f"comm.compression={c.compression} applies to DDP gradient all-reduces: it needs parallel.dp>1, "
-            f"parallel.tp=1 and parallel.dp_shard=ddp"
+            f"comm.compression={c.compression} applies to the gradients' all-reduce between whole replicas: "
+            f"it needs parallel.dp>1 and parallel.dp_shard=ddp (zero1 and fsdp reduce-scatter)"
+        )
+    elif c.compression in ("powersgd", "topk") and lay.tp > 1:
+        err(
+            f"comm.compression={c.compression} is a DDP communication hook, and replicas beside parallel.tp={lay.tp} "
+            f"are not DDP's: it needs parallel.tp=1 (fp16 and bf16 cast the TP replicas' buckets too)"
         )
     if p.sequence_parallel and lay.tp == 1:
         err("parallel.sequence_parallel=true needs parallel.tp>1")
@@ -72,7 +77,7 @@ def _pipeline_rules(cfg: DictConfig, lay: Layout, per_replica: int, rem: int, er
         err(f"parallel.microbatches={p.microbatches} is below parallel.pp={lay.pp}: the pipeline never fills")
     per_rank = rules.stages_per_rank(lay.pp, p.schedule, p.virtual_stages)
     stages = lay.pp * per_rank
-    ddp = c.overlap and rules.dp_wrapping(lay.dp, lay.tp, str(p.dp_shard)) == "ddp"
+    ddp = c.overlap and lay.tp == 1 and rules.dp_wrapping(lay.dp, lay.tp, str(p.dp_shard)) == "ddp"
     if p.schedule == "zbv" and lay.dp > 1 and c.overlap:
         # measured on dp2pp2 against the single-process reference (gpt_tiny, torch 2.13): DDP's
         # losses leave it from the second step, FSDP's stop falling (a stage never trains); with
@@ -84,15 +89,24 @@ def _pipeline_rules(cfg: DictConfig, lay: Layout, per_replica: int, rem: int, er
             f"backward) or another parallel.schedule"
         )
     limit = lay.pp * min(per_rank, 2)
-    if lay.pp <= p.microbatches <= limit and ddp:
-        # measured under DDP (gpt_tiny, torch 2.13), crash / run by microbatches: 1F1B pp2 2 / 3, 4
-        # (GPipe 2 / 4); pp4 1F1B 5 runs; interleaved pp2 v2 4 / 6, 8; pp2 v4 4 / 6, 8; pp4 v2
+    if ddp and p.schedule == "gpipe":
+        # measured under DDP (gpt_tiny, dp2pp2, torch 2.13): GPipe crashes at 2, 4 and 8
+        # microbatches with the same reducer assertion as below
+        err(
+            f"parallel.schedule=gpipe under DDP (parallel.dp={lay.dp}, parallel.tp=1, comm.overlap=true): "
+            f"torch's DDP reducer fails on the pipeline's first step ('rebuilt parameter indices size is not "
+            f"same as original model parameters size'); use parallel.dp_shard=zero1 or fsdp, comm.overlap=false "
+            f"or another parallel.schedule"
+        )
+    elif lay.pp <= p.microbatches <= limit and ddp:
+        # measured under DDP (gpt_tiny, torch 2.13), crash / run by microbatches: 1F1B pp2 2 / 3, 4;
+        # pp4 1F1B 5 runs; interleaved pp2 v2 4 / 6, 8; pp2 v4 4 / 6, 8; pp4 v2
         # 4, 8 / 12; ZB-V pp2 4 / 5. FSDP and DDP without overlap run every one of them
         err(
             f"parallel.microbatches={p.microbatches} not above {limit} under DDP (parallel.dp={lay.dp}, "
             f"parallel.pp={lay.pp}, {per_rank} stage(s) a rank): torch's DDP reducer fails on the "
             f"pipeline's first step ('rebuilt parameter indices size is not same as original model "
-            f"parameters size'); use more microbatches, parallel.dp_shard=fsdp or comm.overlap=false"
+            f"parameters size'); use more microbatches, parallel.dp_shard=zero1 or fsdp, or comm.overlap=false"
         )
     if not rem and per_replica % p.microbatches:
         err(

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from orchestrator.planner.space import Candidate
+from trainers.rules import DP_MODES
 
 OOM = "oom"
 
@@ -85,7 +86,7 @@ def ratio_refit(measured: Sequence[Entry], min_error: float = 0.05) -> Tuple[Cal
 def implied_by_oom(failed: Candidate, other: Candidate) -> bool:
     """Whether ``other`` needs at least the memory ``failed`` ran out of: the same layout,
     schedule, stages and microbatches, a micro-batch as large or larger, and no more recompute,
-    no more sharding of the replicas (FSDP over DDP) and no more sequence parallelism."""
+    no more sharding of the replicas (``trainers.rules.DP_MODES`` in order) and no more sequence parallelism."""
     key = ("dp", "tp", "pp", "schedule", "virtual_stages")
     if any(getattr(failed, k) != getattr(other, k) for k in key):
         return False
@@ -94,11 +95,12 @@ def implied_by_oom(failed: Candidate, other: Candidate) -> bool:
         # a larger micro-batch (fewer of them) keeps more only while both still fill the pipeline
         if other.schedule == "gpipe" or min(other.microbatches, failed.microbatches) < other.pp:
             return False
-    fsdp = int(failed.dp_shard == "fsdp" and failed.dp > 1), int(other.dp_shard == "fsdp" and other.dp > 1)
+    # how far each shards its replicas: ddp, zero1 (states on 1/dp), fsdp (and the parameters)
+    shard = [DP_MODES.index(c.dp_shard) if c.dp > 1 else 0 for c in (failed, other)]
     return (
         other.micro_batch >= failed.micro_batch
         and other.activation_checkpointing <= failed.activation_checkpointing
-        and fsdp[1] <= fsdp[0]
+        and shard[1] <= shard[0]
         and other.sequence_parallel <= failed.sequence_parallel
     )
 

@@ -9,6 +9,7 @@ from typing import Any, Dict, List, Optional
 from orchestrator.planner.space import Space
 from orchestrator.validate import SCHEDULES
 from sweeps.ovat import PREFIX, StudyError
+from trainers.rules import DP_MODES
 
 
 @dataclass
@@ -66,15 +67,15 @@ def parse(spec: Dict[str, Any]) -> AutoSpec:
     bad = [s for s in schedules if s not in SCHEDULES]
     if bad:
         errors.append(f"{PREFIX}.space.schedules: {bad} not among {list(SCHEDULES)}")
-    shards = tuple(space.get("dp_shard") or ("ddp", "fsdp"))
-    if set(shards) - {"ddp", "fsdp"}:
-        errors.append(f"{PREFIX}.space.dp_shard: {list(shards)}: each must be ddp or fsdp")
+    shards = tuple(space.get("dp_shard") or DP_MODES)
+    if set(shards) - set(DP_MODES):
+        errors.append(f"{PREFIX}.space.dp_shard: {list(shards)}: each must be one of {list(DP_MODES)}")
     out.space = Space(
         schedules=schedules,
         activation_checkpointing=tuple(bool(v) for v in (space.get("activation_checkpointing") or (False, True))),
         dp_shard=shards,
         sequence_parallel=tuple(bool(v) for v in (space.get("sequence_parallel") or (False, True))),
-        max_pp=int(space.get("max_pp") or 16),
+        max_pp=int(space.get("max_pp") or 0),
     )
     if errors:
         raise StudyError(errors)

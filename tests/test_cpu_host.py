@@ -13,20 +13,23 @@ from test_plan_calibration import TRUTH, cpu_config, planted
 
 from orchestrator import chips, planner
 from orchestrator.planner.calibration import HOST_FACTORS, layout
-from orchestrator.planner.dp_comm import fsdp_gathers
+from orchestrator.planner.dp_comm import fsdp_gathers, fsdp_reduces
 from orchestrator.planner.step_time import HostCosts
 
 HOST = HostCosts(*(TRUTH[k] * 1e-6 for k in HOST_FACTORS))
 FACTORS = (TRUTH["compute_efficiency"], TRUTH["comm_efficiency"], TRUTH["collective_latency_us"] * 1e-6, HOST)
 
 
-def _est(preset: str, chip: str = "cpu", **chip_keys):
-    cfg = cpu_config(preset, {})
+def _est(preset: str, chip: str = "cpu", overrides=None, **chip_keys):
+    cfg = cpu_config(preset, overrides or {})
     cfg.chip = chips.load_preset(chip)
     for key, value in chip_keys.items():
         cfg.chip[key] = value
     parts = planner.trial_parts(cfg)
     return parts, planner.combine(parts, *FACTORS)
+
+
+FSDP = {"parallel.dp_shard": "fsdp"}
 
 
 def _work(parts) -> float:
@@ -107,18 +110,18 @@ def test_fsdp_s_bytes_are_work_of_the_cpu_host_s_cores():
     """gloo moves FSDP's gathered parameters and reduce-scattered gradients with the cores, and
     FSDP copies them into and out of its buffers: on the CPU chip those bytes are work at
     ``chip.host_copy_gbps`` (bench/fsdp_host.py: 0.40-0.86 GB/s on the 2-core host). Measured in
-    every bench run, dp2tp2 (FSDP over the TP shards) is slower than tp2pp2, the same four
+    every bench run, dp2tp2 with FSDP over the TP shards is slower than tp2pp2, the same four
     workers with the same TP groups and no FSDP: 0.87-0.96 s against 0.73-0.77 (runs 5 and 6),
     1.31 against 1.11 (2026-12-06, a slower host); without the term the two were planned within
     0.1% of each other. An accelerator's device moves the bytes: no term there."""
-    parts, est = _est("dp2tp2")
-    cfg = cpu_config("dp2tp2", {})
+    parts, est = _est("dp2tp2", overrides=FSDP)
+    cfg = cpu_config("dp2tp2", FSDP)
     n = max(planner.rank_params(*_shapes(cfg), rc) for rc in _ranks(cfg))
-    gathers = fsdp_gathers(_shapes(cfg)[1], True)
-    assert parts.fsdp_host_s == pytest.approx(n * (gathers * 4 + 4) / 0.6e9)
-    _, without = _est("dp2tp2", host_copy_gbps=0.0)
+    gathers, reduces = fsdp_gathers(_shapes(cfg)[1], True), fsdp_reduces(_shapes(cfg)[1])
+    assert parts.fsdp_host_s == pytest.approx(n * (gathers * 4 + reduces * 4) / 0.6e9)
+    _, without = _est("dp2tp2", overrides=FSDP, host_copy_gbps=0.0)
     _, tp2pp2 = _est("tp2pp2")
     assert est.step_time_s > 1.05 * tp2pp2.step_time_s
     assert without.step_time_s < 1.02 * tp2pp2.step_time_s
-    gpu, _ = _est("dp2tp2", chip="a100")
+    gpu, _ = _est("dp2tp2", chip="a100", overrides=FSDP)
     assert gpu.fsdp_host_s == 0.0

@@ -5,8 +5,9 @@ Each case runs one step's forward and backward (``RankModel.forward_backward``, 
 first one, when DDP has rebuilt its buckets) in spawned gloo processes and counts, per rank,
 FSDP2's all-gathers and reduce-scatters (``torch.distributed.all_gather_single`` and
 ``reduce_scatter_single``, which ``fsdp/_fully_shard/_fsdp_collectives.py`` calls; wrapped here
-to count calls and each call's full tensor) and DDP's bucket all-reduces (the trainer's own
-count, ``GradSyncStats``, from its comm hook). The bytes a rank sends in a ring collective are
+to count calls and each call's full tensor) and the bucket all-reduces of DDP and of the TP
+replicas (the trainer's own count, ``GradSyncStats``, from its comm hook and
+``trainers/replicas.py``). The bytes a rank sends in a ring collective are
 ``(dp - 1) / dp`` of the full tensor. FSDP with micro-batches is where the planner was wrong: it
 counted one gather for the forward and one for the backward per step whatever the micro-batches
 (dp4 at two micro-batches: half the gathers the trainer makes).
@@ -42,8 +43,21 @@ CASES: Dict[str, Tuple[int, List[str]]] = {
     "fsdp-m2-one-unit": (2, ["parallel=dp2", *FSDP, "trainer.micro_batch=2", "comm.overlap=false"]),
     "ddp-one-bucket": (2, ["parallel=dp2", "trainer.micro_batch=2"]),
     "ddp-1mb-buckets": (2, ["parallel=dp2", "trainer.micro_batch=2", "comm.bucket_mb=1"]),
-    "dp2tp2-m2": (4, ["parallel=dp2tp2", "trainer.micro_batch=2"]),  # tp > 1: FSDP
+    "zero1-m4": (2, ["parallel=dp2", "parallel.dp_shard=zero1", "trainer.micro_batch=1"]),
+    "zero1-m2-one-unit": (
+        2,
+        ["parallel=dp2", "parallel.dp_shard=zero1", "trainer.micro_batch=2", "comm.overlap=false"],
+    ),
+    # beside TP, each mode: the TP replicas' buckets (one, and 1 MiB ones), FSDP2 per micro-batch, zero1 once
+    "dp2tp2-ddp-m2": (4, ["parallel=dp2tp2", "trainer.micro_batch=2"]),
+    "dp2tp2-ddp-m2-1mb-buckets": (4, ["parallel=dp2tp2", "trainer.micro_batch=2", "comm.bucket_mb=1"]),
+    "dp2tp2-fsdp-m2": (4, ["parallel=dp2tp2", *FSDP, "trainer.micro_batch=2"]),
+    "dp2tp2-zero1-m2": (4, ["parallel=dp2tp2", "parallel.dp_shard=zero1", "trainer.micro_batch=2"]),
     "dp2pp2-fsdp-m4": (4, ["parallel=dp2pp2", *FSDP, "trainer.micro_batch=1", "parallel.microbatches=4"]),
+    "dp2pp2-zero1-m4": (
+        4,
+        ["parallel=dp2pp2", "parallel.dp_shard=zero1", "trainer.micro_batch=1", "parallel.microbatches=4"],
+    ),
     "dp2pp2-fsdp-m4-one-unit": (
         4,
         ["parallel=dp2pp2", *FSDP, "trainer.micro_batch=1", "parallel.microbatches=4", "comm.overlap=false"],
@@ -106,7 +120,7 @@ def counted(tmp_path_factory):
         cfg = trial.prepare(composed([*BASE, *over]))
         planned[name], s = _planned(cfg)
         assert s.world == world, name
-        dp[name] = s.dp
+        dp[name] = (s.dp, s.wrapping)
         by_world.setdefault(world, []).append((name, trial.build_spec(cfg), s.microbatches))
     GlobalHydra.instance().clear()
     got = {}
@@ -121,10 +135,21 @@ def counted(tmp_path_factory):
 @pytest.mark.parametrize("case", list(CASES))
 def test_planned_dp_collectives_are_what_the_trainer_issues(counted, case):
     planned, got, dp = counted
+    n, wrapping = dp[case]
     for rank, ((calls, sent, pp_rank), row) in enumerate(zip(planned[case], got[case])):
         where = f"{case} rank {rank} (pp rank {pp_rank}): planned {calls} calls, {sent:.0f} B; counted {row}"
-        if case.startswith("ddp"):
+        if wrapping == "ddp":  # DDP's reducer, or the TP replicas' buckets: counted by the trainer
             assert row["calls"] == 0 and row["ddp_buckets"] == calls, where
             continue
         assert row["ddp_buckets"] == 0 and row["calls"] == calls, where
-        assert row["bytes"] * (dp[case] - 1) / dp[case] == pytest.approx(sent, rel=1e-9), where
+        assert row["bytes"] * (n - 1) / n == pytest.approx(sent, rel=1e-9), where
+
+
+def test_zero1_gathers_once_a_step_and_fsdp_per_micro_batch(counted):
+    """What the modes are for: beside TP with two micro-batches, zero1's units are gathered and
+    reduce-scattered once a step; FSDP's (ZeRO-3) are gathered twice and reduce-scattered once
+    per micro-batch (calls per unit)."""
+    _, got, _ = counted
+    zero1, fsdp = got["dp2tp2-zero1-m2"][0]["calls"], got["dp2tp2-fsdp-m2"][0]["calls"]
+    units = zero1 // 2
+    assert zero1 == units * (1 + 1) and fsdp == units * (2 * 2 + 2), (zero1, fsdp)

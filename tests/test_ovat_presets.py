@@ -79,7 +79,7 @@ def test_the_shared_rules_find_a_no_op_variable(compose_cfg):
 
     base = ["+sweep=layout", "+chip=ascend910b", "model=llama2_13b", "parallel=tp8pp4"]
     cfgs = [chips.resolve(compose_cfg([*base, f"comm.bucket_mb={v}"])) for v in (25, 100)]
-    assert "DDP" in effects.no_effect(cfgs, "comm.bucket_mb")
+    assert "whole replicas" in effects.no_effect(cfgs, "comm.bucket_mb")
     cfgs = _compose_preset(["+sweep=layout", "+chip=h100", "model=llama2_13b"])
     assert "HCCL" in effects.no_effect(cfgs["comm.buffsize_mb"], "comm.buffsize_mb")
 
@@ -91,7 +91,10 @@ def test_ddp_buckets_act_only_where_the_trainer_builds_ddp(compose_cfg):
         return [chips.resolve(compose_cfg(["+chip=cpu", *overrides, f"comm.bucket_mb={v}"])) for v in (25, 100)]
 
     assert effects.no_effect(cands("parallel=dp2"), "comm.bucket_mb") is None
-    # with tp > 1 the replicas are FSDP (rules.dp_wrapping), whatever parallel.dp_shard says
-    assert "DDP" in effects.no_effect(cands("parallel=dp2tp2", "parallel.dp_shard=ddp"), "comm.bucket_mb")
-    assert "DDP" in effects.no_effect(cands("parallel=dp2", "parallel.dp_shard=fsdp"), "comm.bucket_mb")
-    assert "DDP" in effects.no_effect(cands("parallel=single"), "comm.bucket_mb")
+    # whole replicas beside TP reduce their gradient shards in buckets too (trainers/replicas.py)
+    assert effects.no_effect(cands("parallel=dp2tp2", "parallel.dp_shard=ddp"), "comm.bucket_mb") is None
+    for shard in ("zero1", "fsdp"):
+        why = effects.no_effect(cands("parallel=dp2tp2", f"parallel.dp_shard={shard}"), "comm.bucket_mb")
+        assert "whole replicas" in why
+    assert "whole replicas" in effects.no_effect(cands("parallel=dp2", "parallel.dp_shard=fsdp"), "comm.bucket_mb")
+    assert "whole replicas" in effects.no_effect(cands("parallel=single"), "comm.bucket_mb")

@@ -23,7 +23,7 @@ def test_fsdp_divides_states_by_dp_as_zero3():
     chip = preset("chip", "a100")
     ddp = planner.memory_plan(m, ParallelShape(64, 1, 1, 1, 1, 4096), prec, DEFAULTS.comm, chip, DEFAULTS.planner)
     fsdp = planner.memory_plan(
-        m, ParallelShape(64, 1, 1, 1, 1, 4096, fsdp=True), prec, DEFAULTS.comm, chip, DEFAULTS.planner
+        m, ParallelShape(64, 1, 1, 1, 1, 4096, dp_mode="fsdp"), prec, DEFAULTS.comm, chip, DEFAULTS.planner
     )
     assert states(ddp) == pytest.approx(16 * m.n_params)
     assert states(fsdp) == pytest.approx(states(ddp) / 64)
@@ -103,8 +103,13 @@ def test_comm_buffers_per_communicator_and_ddp_buckets():
     # world + dp + tp groups, and one pipeline neighbour on either end stage
     assert mp.communicators == 4
     assert mp.comm_buffers == 4 * 2 * 200 * 2**20
+    # the TP replicas' buckets copy every gradient, made as the last backward frees the
+    # activations: they add what exceeds them (nothing here)
+    assert mp.dp_buffers == pytest.approx(max(0.0, mp.grads - mp.activations)) == 0.0
     # DDP without gradient_as_bucket_view keeps a copy of every gradient in its buckets
-    assert mp.dp_buffers == pytest.approx(mp.grads)
+    no_tp = ParallelShape(dp=2, tp=1, pp=2, microbatches=4, micro_batch=1, seq_len=2048)
+    mp1 = planner.memory_plan(m, no_tp, precision(), comm, chip, DEFAULTS.planner)
+    assert mp1.dp_buffers == pytest.approx(mp1.grads)
     gloo = planner.memory_plan(m, s, precision(), comm, preset("chip", "cpu"), DEFAULTS.planner)
     assert gloo.comm_buffers == 0
 
@@ -152,7 +157,7 @@ def test_state_bytes_per_rank_follow_the_mesh_and_the_most_loaded_is_planned():
     """Global rank r is (dp r // (tp pp), pp (r // tp) % pp, tp r % tp). A vocabulary that TP
     does not divide leaves TP rank 0 one row more; memory_plan plans the most loaded rank."""
     m = model(vocab_size=51201, n_layers=4, tie_embeddings=False, pos_emb="learned")
-    s = ParallelShape(dp=2, tp=2, pp=2, microbatches=4, micro_batch=1, seq_len=2048, fsdp=True)
+    s = ParallelShape(dp=2, tp=2, pp=2, microbatches=4, micro_batch=1, seq_len=2048, dp_mode="fsdp")
     prec = precision()
     per_rank = [planner.rank_model_state(m, s, prec, DEFAULTS.planner, r) for r in range(8)]
     assert [s.coords(r) for r in (0, 1, 2, 5, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
@@ -193,18 +198,27 @@ def test_without_overlap_dp_buffers_and_collectives():
     assert one.dp_calls == 1 and one.overlap == 0.0  # one bucket holding every gradient hides nothing
     assert planner.combine(p_off, 0.5, 0.7).dp_exposed_s == planner.combine(p_off, 0.5, 0.7).dp_comm_s
 
-    fsdp = ParallelShape(8, 1, 1, 1, 1, 4096, fsdp=True)
+    fsdp = ParallelShape(8, 1, 1, 1, 1, 4096, dp_mode="fsdp")
     n = planner.rank_params(m, fsdp, planner.rank_contents(m, fsdp, 0))
     assert n == m.n_params
     block = planner.block_params(m, fsdp)
-    assert planner.memory_plan(m, fsdp, prec, on, chip, DEFAULTS.planner).dp_buffers == block * (2 * pb + gb)
-    assert planner.memory_plan(m, fsdp, prec, off, chip, DEFAULTS.planner).dp_buffers == n * (pb + gb)
+    root = n - 32 * block  # the embedding, final norm and head: the stage root's unit
+    # one micro-batch: the gathered block and the prefetched next, the root, the largest unit
+    # landing in its flat all-gather buffer; a block's whole gradient before its reduce-scatter
+    gathered = 2 * block + root + max(block, root)
+    assert planner.memory_plan(m, fsdp, prec, on, chip, DEFAULTS.planner).dp_buffers == gathered * pb + block * gb
+    # the one root unit: every parameter gathered (and landing), whole gradients beside the shards
+    sharded = planner.model_state(m, fsdp, prec, DEFAULTS.planner, 0).params // pb
+    assert planner.memory_plan(m, fsdp, prec, off, chip, DEFAULTS.planner).dp_buffers == 2 * n * pb + (n - sharded) * gb
     f_on = planner.step_parts(m, fsdp, prec, on, chip, DEFAULTS.planner)
     f_off = planner.step_parts(m, fsdp, prec, off, chip, DEFAULTS.planner)
     # one micro-batch: each of the 32 block units and the root gathered twice and reduce-scattered
     # once; without overlap the root alone, once each (the trainer's counts: test_dp_collectives.py)
     assert f_on.dp_calls == 3 * (32 + 1) and f_off.dp_calls == 2
     assert f_off.dp_comm_s == pytest.approx(f_on.dp_comm_s * (pb + gb) / (2 * pb + gb))
-    # two stages per rank (interleaved): one unit each
-    inter = ParallelShape(4, 1, 2, 4, 1, 4096, schedule="interleaved_1f1b", virtual_stages=2, fsdp=True)
-    assert planner.step_parts(m, inter, prec, off, chip, DEFAULTS.planner).dp_calls == 4
+    # two stages per rank (interleaved): one unit each, ZeRO-3 gathering and reduce-scattering it
+    # for each of the 4 micro-batches; zero1 once a step
+    inter = ParallelShape(4, 1, 2, 4, 1, 4096, schedule="interleaved_1f1b", virtual_stages=2, dp_mode="fsdp")
+    assert planner.step_parts(m, inter, prec, off, chip, DEFAULTS.planner).dp_calls == 2 * (4 + 4)
+    inter1 = ParallelShape(4, 1, 2, 4, 1, 4096, schedule="interleaved_1f1b", virtual_stages=2, dp_mode="zero1")
+    assert planner.step_parts(m, inter1, prec, off, chip, DEFAULTS.planner).dp_calls == 2 * (1 + 1)

@@ -3,7 +3,8 @@ state from step to step beyond the model and the optimizer: gradient compression
 error-feedback residuals; PowerSGD's error feedback, warm-start factors and iteration count, in
 each rank's checkpoint by ``trainers.comm.saved`` / ``restore``), the fp16 loss scaler caught
 between a backoff and its next growth, the fp32 master weights of bf16 parameters under FSDP, and
-the pipeline schedules whose ranks hold more than one stage (interleaved 1F1B, ZB-V). Without the
+the pipeline schedules whose ranks hold more than one stage (interleaved 1F1B, ZB-V), and each
+data-parallel mode beside TP or a pipeline. Without the
 state, the resumed run leaves the uninterrupted one at the first resumed step (a fresh scaler
 overflows again and skips it)."""
 
@@ -31,6 +32,17 @@ CASES = {
     # FSDP2 shards of bf16 parameters with their fp32 masters sharded alike: DCP keeps the masters
     "bf16-masters-fsdp": ["parallel=dp2", "parallel.dp_shard=fsdp", "precision=bf16", "precision.param_dtype=bf16"],
     "interleaved_1f1b": ["parallel=pp2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=2"],
+    # each data-parallel mode beside TP or a pipeline: whole TP replicas (their own bucketed
+    # all-reduce), zero1's sharded fp32 masters beside TP, ZeRO-3's per-micro-batch reduction
+    # under a pipeline
+    "dp2tp2-ddp": ["parallel=dp2tp2"],
+    "dp2tp2-zero1-bf16-masters": [
+        "parallel=dp2tp2",
+        "parallel.dp_shard=zero1",
+        "precision=bf16",
+        "precision.param_dtype=bf16",
+    ],
+    "dp2pp2-fsdp": ["parallel=dp2pp2", "parallel.dp_shard=fsdp", "parallel.microbatches=2"],
     "zbv": ["parallel=pp2", "parallel.schedule=zbv"],
 }
 

@@ -41,8 +41,34 @@ CASES: Dict[str, Tuple[int, List[str]]] = {
     "llama-fp32": (1, ["model=llama_tiny"]),
     "gpt-bf16": (1, ["model=gpt_tiny", *BF16]),
     "tp2-llama-bf16": (2, ["model=llama_tiny", "parallel=tp2", *BF16]),
+    # each data-parallel mode's own buffers: the TP replicas' gradient buckets, FSDP2's gathered
+    # parameters (a block and the prefetched next, or every unit for zero1) and the whole
+    # gradients it accumulates over the two micro-batches
+    **{
+        f"dp2tp2-{mode}": (
+            4,
+            ["model=llama_tiny", "parallel=dp2tp2", "trainer.global_batch=16", f"parallel.dp_shard={mode}"],
+        )
+        for mode in ("ddp", "zero1", "fsdp")
+    },
+    **{
+        f"dp2pp2-{mode}": (
+            4,
+            [
+                "model=gpt_tiny",
+                "parallel=dp2pp2",
+                "trainer.global_batch=16",
+                "parallel.microbatches=2",
+                f"parallel.dp_shard={mode}",
+            ],
+        )
+        for mode in ("zero1", "fsdp")  # DDP's own buckets are made before the step: not seen here
+    },
 }
 TOLERANCE = 0.03  # one block's backward transients at a time are not planned: under the loss's here
+# FSDP2's gathers and reduce-scatters run asynchronously, so which unit's buffers stand beside the
+# loss's peak varies with timing: the same dp2tp2 fsdp step peaked at 19.3-21.4 MiB over six runs
+FSDP_TOLERANCE = 0.10
 
 
 def live_peak(fn) -> int:
@@ -64,11 +90,14 @@ def _measure(model, spec, rank: int) -> dict:
     """The step's peak on this rank: the parameters live before it plus what it allocates."""
     from trainers.memory import model_state_bytes
 
-    b, seq, vocab = spec.trainer.micro_batch, spec.trainer.seq_len, spec.model.vocab_size
+    seq, vocab = spec.trainer.seq_len, spec.model.vocab_size
+    per_replica = spec.trainer.global_batch // model.p.dp
+    # a replica's micro-batches; a pipeline cuts its one batch into parallel.microbatches itself
+    b = per_replica if model.schedule is not None else spec.trainer.micro_batch
     g = torch.Generator().manual_seed(0)
     batches = [
         (torch.randint(0, vocab, (b, seq), generator=g), torch.randint(0, vocab, (b, seq), generator=g))
-        for _ in range(spec.trainer.global_batch // b)
+        for _ in range(per_replica // b)
     ]
     before = model_state_bytes(model.modules, [])
     assert before["grads"] == 0
@@ -85,7 +114,7 @@ def measured(tmp_path_factory):
         m = ModelShape.of(cfg.model)
         s = ParallelShape.of(cfg.parallel, cfg.trainer, layout(cfg), str(cfg.chip.device_type))
         plan = memory_plan(m, s, cfg.precision, cfg.comm, cfg.chip, cfg.planner)
-        planned[name] = plan.params + plan.grads + plan.activations
+        planned[name] = plan.params + plan.grads + plan.activations + plan.dp_buffers
         by_world.setdefault(world, []).append((name, trial.build_spec(cfg)))
     GlobalHydra.instance().clear()
     got: Dict[str, List[int]] = {}
@@ -113,11 +142,13 @@ def test_live_peak_sees_the_loss_transients():
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_planned_step_memory_is_the_measured_peak(measured, case):
+    """The plan is the most loaded rank's (a pipeline's last stage, with the loss): held to the
+    largest peak the ranks measure."""
     planned, got = measured
     rows = [f"{case}: planned {planned[case] / 2**20:.2f} MiB"]
     for r, peak in enumerate(got[case]):
         rows.append(f"  rank {r}: measured {peak / 2**20:.2f} MiB, ratio {planned[case] / peak:.3f}")
     table = "\n".join(rows)
     print("\n" + table)
-    for peak in got[case]:
-        assert planned[case] == pytest.approx(peak, rel=TOLERANCE), table
+    tolerance = FSDP_TOLERANCE if "fsdp" in case or "zero1" in case else TOLERANCE
+    assert planned[case] == pytest.approx(max(got[case]), rel=tolerance), table

@@ -3,13 +3,21 @@ stored in ``precision.param_dtype`` with the fp32-ops policy applied, wrapped fo
 parallelism as ``rules.dp_wrapping`` says, and how one optimizer step's forward and backward
 (micro-batch accumulation, or a pipeline schedule) and a held-out evaluation run through them.
 
-``comm.overlap`` decides how gradients meet across data-parallel replicas:
+``parallel.dp_shard`` decides how replicas meet (``rules.DP_MODES``), ``comm.overlap`` when:
 
-* DDP, overlap on: DDP's bucket hooks all-reduce during the backward pass; off: no DDP wrapper,
-  the gradients are all-reduced in buckets of ``comm.bucket_mb`` once the backward has returned.
-* FSDP2, overlap on: each block is an FSDP unit (its all-gather and reduce-scatter overlap the
-  neighbouring blocks' compute); off: one unit for the whole stage (``fully_shard`` of the
-  stage root only): one all-gather before the forward, one reduce-scatter after the backward.
+* ``ddp`` without TP: DDP's bucket hooks all-reduce during the last micro-batch's backward
+  (overlap on); off: no DDP wrapper, the gradients are all-reduced in buckets of
+  ``comm.bucket_mb`` once the backward has returned. With TP (DTensor parameters, which DDP does
+  not take): the same buckets over the gradients' local shards (``trainers/replicas.py``),
+  reduced during the last backward (overlap on, no pipeline) or after it.
+* ``zero1`` and ``fsdp`` (FSDP2), overlap on: each block is an FSDP unit (its all-gather and
+  reduce-scatter overlap the neighbouring blocks' compute); off: one unit for the whole stage
+  (``fully_shard`` of the stage root only). ``fsdp`` (ZeRO-3) reshards a unit after each forward
+  and backward and reduce-scatters every micro-batch's gradients into their shards
+  (``trainers/pipeline_stage.py`` under a pipeline): the least memory, the most traffic;
+  ``zero1`` keeps it gathered from the step's first forward to its last backward
+  (``reshard_after_forward=False``, ``set_reshard_after_backward(False)`` on all micro-batches
+  but the last) and its whole gradients until then: one all-gather and one reduce-scatter a step.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ from trainers import rules
 from trainers.config import TrialSpec
 from trainers.model import GPT
 from trainers.parallel import acc_dtype, apply_fsdp, build_mesh, build_stages, local, loss_fn
+from trainers.pipeline_stage import stage_class
 from trainers.precision import LossScaler, apply_op_policy, autocast, cast_params
+from trainers.replicas import ReplicaReducer
 from trainers.runtime import compile_backend
 
 
@@ -76,8 +86,21 @@ class RankModel:
         self.comm_stats: Optional[comm_mod.CommStats] = None
         self.comm_states: List[Any] = []  # each DDP module's compression state (a checkpoint keeps it)
         # DDP without overlap: plain modules, gradients all-reduced after the backward
-        self.reduce_after_backward = self.wrapping == "ddp" and not self.comm.overlap
+        self.reduce_after_backward = self.wrapping == "ddp" and p.tp == 1 and not self.comm.overlap
         self.wrapped: List[torch.nn.Module] = [self._wrap(m) for m in self.modules]
+        # replicas under TP: the trainer's own bucketed all-reduce of the local gradient shards,
+        # during the last backward where the trainer runs it (no pipeline), else after it
+        self.replicas: Optional[ReplicaReducer] = None
+        if self.wrapping == "ddp" and p.tp > 1:
+            self.replicas = ReplicaReducer(
+                [q for m in self.modules for q in m.parameters() if q.requires_grad],
+                self.mesh.group("dp"),
+                float(self.comm.bucket_mb),
+                self.sync,
+                overlap=bool(self.comm.overlap) and p.pp == 1,
+                compression=str(self.comm.compression),
+            )
+            self.comm_stats = self.replicas.stats
         self.fsdp_units = sum(_fsdp_units(m) for m in self.modules)
         self.params = [q for m in self.modules for q in m.parameters() if q.requires_grad]
         self.has_last = self.n_stages - 1 in self.stage_ids
@@ -89,14 +112,17 @@ class RankModel:
         torch.manual_seed(seed + 100 * (self.mesh.pp_rank if self.mesh else 0))
 
     def _wrap(self, m: torch.nn.Module) -> torch.nn.Module:
-        if self.wrapping == "fsdp":
+        if rules.sharded(self.wrapping):
+            keep = self.wrapping == "zero1"
             if self.comm.overlap:
-                return apply_fsdp(m, self.mesh.sub("dp"))
+                return apply_fsdp(m, self.mesh.sub("dp"), reshard_after_forward=not keep)
             from torch.distributed.fsdp import fully_shard
 
             # one unit: its parameters stay gathered from the forward through the backward
             # (reshard_after_forward=False), so nothing is re-gathered mid-backward either
             return fully_shard(m, mesh=self.mesh.sub("dp"), reshard_after_forward=False)
+        if self.p.tp > 1:
+            return m  # replicas under TP: ReplicaReducer
         if self.wrapping == "ddp" and self.comm.overlap:
             ddp = DDP(
                 m,
@@ -121,7 +147,7 @@ class RankModel:
         from torch.distributed import pipelining as pl
 
         stages = [
-            pl.PipelineStage(m, sid, self.n_stages, self.device, group=self.mesh.group("pp"))
+            stage_class(self.wrapping, self.p.schedule)(m, sid, self.n_stages, self.device, group=self.mesh.group("pp"))
             for sid, m in zip(self.stage_ids, self.wrapped)
         ]
         cls = {
@@ -143,15 +169,24 @@ class RankModel:
             return self.scaler.scale_loss(self.loss(logits, target) / n)
 
         arg = stages[0] if cls in (pl.ScheduleGPipe, pl.Schedule1F1B) else stages
-        return cls(arg, n_microbatches=n, loss_fn=scaled_loss, scale_grads=False)
+        schedule = cls(arg, n_microbatches=n, loss_fn=scaled_loss, scale_grads=False)
+        # the last stage's outputs (the head's logits, b x s x vocab a micro-batch) are kept for
+        # step() to return unless return_outputs=False (torch >= 2.8): logits resident at the
+        # step's peak (measured on gpt_tiny pp2's last stage, vocab 4096: 31.5 MiB -> 27.5 MiB)
+        self._no_outputs = {"return_outputs": False} if "return_outputs" in _params(schedule.step) else {}
+        return schedule
 
     def train(self, mode: bool = True) -> None:
         for m in self.wrapped:
             m.train(mode)
 
     def _sync_ctx(self, sync: bool):
-        """Gradient reduction only on the last micro-batch of an accumulation."""
-        if sync:
+        """Gradient reduction only on the last micro-batch of an accumulation (``fsdp``, ZeRO-3,
+        reduce-scatters every micro-batch's into its sharded gradients); ``zero1`` keeps its units
+        gathered after every backward but the last."""
+        if sync or self.wrapping == "fsdp":
+            if self.replicas is not None and self.replicas.overlap:
+                self.replicas.arm()
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         for m in self.wrapped:
@@ -160,6 +195,9 @@ class RankModel:
             elif hasattr(m, "set_requires_gradient_sync"):
                 m.set_requires_gradient_sync(False)
                 stack.callback(m.set_requires_gradient_sync, True)
+                if self.wrapping == "zero1":
+                    m.set_reshard_after_backward(False)
+                    stack.callback(m.set_reshard_after_backward, True)
         return stack
 
     def forward_backward(self, batches) -> torch.Tensor:
@@ -186,7 +224,12 @@ class RankModel:
             losses: List[torch.Tensor] = []
             args = (x,) if self.has_first else ()
             with autocast(self.pargs, self.device):
-                self.schedule.step(*args, target=y if self.has_last else None, losses=losses if self.has_last else None)
+                self.schedule.step(
+                    *args,
+                    target=y if self.has_last else None,
+                    losses=losses if self.has_last else None,
+                    **self._no_outputs,
+                )
             loss_acc = (
                 torch.stack([x.detach().float() for x in losses]).sum() / self.scaler.scale  # each was / n
                 if self.has_last
@@ -194,6 +237,8 @@ class RankModel:
             )
         if self.reduce_after_backward:
             comm_mod.allreduce_after_backward(self.params, self.mesh.group("dp"), self.comm.bucket_mb, self.sync)
+        if self.replicas is not None:
+            self.replicas.finish()
         return loss_acc
 
     @torch.no_grad()
@@ -292,6 +337,12 @@ def _tp_replicated(q: torch.Tensor) -> bool:
         return True
     names = q.device_mesh.mesh_dim_names or ()
     return "tp" not in names or isinstance(q.placements[names.index("tp")], Replicate)
+
+
+def _params(fn) -> set:
+    import inspect
+
+    return set(inspect.signature(fn).parameters)
 
 
 def _fsdp_units(m: torch.nn.Module) -> int:

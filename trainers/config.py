@@ -85,7 +85,10 @@ class ParallelConfig:
     microbatches: int = 1  # pipeline microbatches per optimizer step (pp > 1 only)
     schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b | zbv
     virtual_stages: int = 1  # stages per rank of interleaved_1f1b
-    dp_shard: str = "ddp"  # ddp | fsdp, where tp = 1 (with tp > 1 data parallelism is FSDP)
+    # how replicas meet (trainers/rules.py DP_MODES): ddp (whole replicas, gradients all-reduced
+    # once a step) | zero1 (distributed optimizer: units gathered once a step, gradients
+    # reduce-scattered once, optimizer state on 1/dp) | fsdp (ZeRO-3, regathered per micro-batch)
+    dp_shard: str = "ddp"
     sequence_parallel: bool = False
 
 

@@ -1,5 +1,6 @@
 """3D parallelism on a device mesh: pipeline stages first, then tensor parallelism, activation
-checkpointing, then data parallelism (FSDP2 ``fully_shard``, or DDP where there is no TP).
+checkpointing, then data parallelism (``trainers/assembly.py``: DDP or whole TP replicas, or
+FSDP2 ``fully_shard`` for ``zero1`` and ``fsdp``).
 
 Mesh order is (dp, pp, tp) with tp innermost: consecutive ranks form a TP group, so a TP group
 stays inside one node (8 NPUs of an Atlas 800T A2, 8 GPUs of a DGX) where HCCS/NVLink carry its
@@ -302,7 +303,7 @@ def build_stages(
         module.to_empty(device=device)
         module.tie_weights()  # to_empty gives each module a new plain parameter: tie them again
         module.init_weights(seed)
-        if p.tp > 1 and rules.dp_wrapping(p.dp, p.tp, p.dp_shard) != "fsdp":
+        if p.tp > 1 and not rules.sharded(rules.dp_wrapping(p.dp, p.tp, p.dp_shard)):
             keep_grads_sharded(module)  # FSDP reshards the gradients itself
         out.append((sid, module))
     return out

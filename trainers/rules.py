@@ -46,13 +46,63 @@ def kv_heads(n_heads: int, n_kv_heads: int | None) -> int:
     return int(n_heads) if n_kv_heads in (-1, 0, None) else int(n_kv_heads)
 
 
+# parallel.dp_shard's values: how replicas meet (trainers/assembly.py builds each one)
+# ddp: whole replicas, gradients all-reduced once a step (DDP's reducer without TP, a bucketed
+#   all-reduce of the DTensor gradients over the DP group with it);
+# zero1: the distributed optimizer: FSDP2 units kept gathered for the whole step (one all-gather
+#   of the parameters, one reduce-scatter of the gradients a step), fp32 masters and optimizer
+#   state on a 1/dp shard, as Megatron's --use-distributed-optimizer moves them;
+# fsdp: ZeRO-3, FSDP2 units resharded after each forward and backward (gathered again for every
+#   micro-batch), the least memory.
+DP_MODES = ("ddp", "zero1", "fsdp")
+
+
 def dp_wrapping(dp: int, tp: int, dp_shard: str) -> str:
-    """``none`` (one replica), ``ddp`` or ``fsdp``. With tensor parallelism the replicas are
-    always FSDP2 over the TP shards (DDP does not take DTensor parameters); otherwise
-    ``parallel.dp_shard`` chooses."""
+    """``none`` (one replica), else ``parallel.dp_shard`` itself (:data:`DP_MODES`), with or
+    without tensor parallelism. ``tp`` does not decide it: DDP's reducer does not take DTensor
+    parameters, so under TP ``ddp`` is the trainer's own bucketed all-reduce of the gradients'
+    local shards (``trainers/replicas.py``)."""
     if dp <= 1:
         return "none"
-    return "fsdp" if tp > 1 or dp_shard == "fsdp" else "ddp"
+    if dp_shard not in DP_MODES:
+        raise ValueError(f"parallel.dp_shard={dp_shard!r} is not one of {DP_MODES}")
+    return dp_shard
+
+
+def sharded(wrapping: str) -> bool:
+    """Whether a wrapping shards parameters, gradients and optimizer state over the replicas
+    between steps (FSDP2's ``fully_shard``: ``zero1`` and ``fsdp``)."""
+    return wrapping in ("zero1", "fsdp")
+
+
+def zero3(wrapping: str, pp: int, schedule: str) -> bool:
+    """Whether FSDP reduce-scatters every micro-batch's gradients into their shards (``fsdp``),
+    rather than holding them whole until the step's last backward. Not under ZB-V, whose weight
+    gradients come in a pass after the input gradients' backward: the stage keeps torch's own
+    reduction once a step there (``trainers/pipeline_stage.py``)."""
+    return wrapping == "fsdp" and not (pp > 1 and schedule == "zbv")
+
+
+def fsdp_gathers(wrapping: str, pp: int, microbatches: int, overlap: bool, schedule: str = "1f1b") -> int:
+    """All-gathers of each FSDP unit per step, as torch 2.13's FSDP2 issues them under the
+    trainer (``tests/test_dp_collectives.py`` counts them). ``zero1``: once, the units stay
+    gathered for the step. ``fsdp``: a block unit (``comm.overlap``,
+    ``reshard_after_forward=True``) is gathered for each micro-batch's forward and again for its
+    backward, 2 m; the one root unit without overlap once per micro-batch, m. Under ZB-V torch's
+    stage keeps the units gathered after every backward but the last
+    (``set_reshard_after_backward(False)``, ``pipelining/stage.py``): m + 1 for block units, one
+    for the root."""
+    if wrapping == "zero1":
+        return 1
+    if pp > 1 and not zero3(wrapping, pp, schedule):
+        return microbatches + 1 if overlap else 1
+    return 2 * microbatches if overlap else microbatches
+
+
+def fsdp_reduces(wrapping: str, pp: int, microbatches: int, schedule: str = "1f1b") -> int:
+    """Reduce-scatters of each FSDP unit per step: every micro-batch's under ZeRO-3
+    (:func:`zero3`), else once, after the last backward."""
+    return microbatches if zero3(wrapping, pp, schedule) else 1
 
 
 def stages_per_rank(pp: int, schedule: str, virtual_stages: int) -> int:

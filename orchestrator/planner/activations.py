@@ -215,7 +215,7 @@ def head_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab
     return _norm_bytes(m, T / (tp if sp else 1), ab) + T * m.d * ab.linear + loss
 
 
-def loss_transient_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes) -> float:
+def loss_transient_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes, pipelined: bool = False) -> float:
     """What the loss allocates beyond what it saves, at its own peak, over the rank's vocabulary
     shard of ``T = b * seq`` tokens: the plain cross-entropy's backward holds the fp32 gradient
     of its log-softmax output (``nll_loss``'s, dense) beside the fp32 gradient it makes of the
@@ -226,10 +226,13 @@ def loss_transient_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes)
     :func:`rank_activation_bytes`; measured with every other allocation of a step in
     ``tests/test_step_peak.py``; on an H200 (``bench/device_check.py``, docs/benchmarks.md) the
     plan's allocator-side terms were 3.99 GiB (gpt2_small) and 7.96 GiB (llama_1b) under the
-    allocator's peak without it, and 0.99 and 1.02 of it with it."""
+    allocator's peak without it, and 0.99 and 1.02 of it with it. Under a pipeline
+    (``pipelined``) torch's last stage keeps its output, the head's logits, for the backward
+    (``fwd_cache``), where the trainer's own loop drops them before it: they stand beside the
+    plain loss's backward peak (measured on pp2's last stage, ``tests/test_step_peak.py``)."""
     logits = b * seq * -(-m.vocab // tp)
     if tp == 1:
-        return 8.0 * logits
+        return (8.0 + (ab.linear if pipelined else 0)) * logits
     return (4.0 + (ab.linear if ab.linear < 4 else 0)) * logits
 
 

@@ -1,17 +1,21 @@
-"""Data parallelism's collectives per step, as the trainer issues them: the bytes one rank sends
-(a ring all-reduce of the gradients for DDP, compressed where ``comm.compression`` says; FSDP's
-gathers of the parameters and one reduce-scatter of the gradients) and the calls (one per DDP
-bucket; per FSDP unit, its gathers and its reduce-scatter). Both are counted on the trainer's own
-ranks by ``tests/test_dp_collectives.py``; :mod:`.step_time` prices them."""
+"""Data parallelism's collectives per step, as the trainer issues them for each mode of
+``parallel.dp_shard`` (``trainers/rules.py DP_MODES``): the bytes one rank sends (``ddp``: a ring
+all-reduce of the gradients, compressed where ``comm.compression`` says; ``zero1`` and ``fsdp``:
+FSDP2's gathers of the parameters, once a step for ``zero1``, and one reduce-scatter of the
+gradients) and the calls (one per gradient bucket; per FSDP unit, its gathers and its
+reduce-scatter), and which of them the compute can hide (:func:`dp_windows`). Counted on the
+trainer's own ranks by ``tests/test_dp_collectives.py``; :mod:`.step_time` prices them."""
 
 from __future__ import annotations
 
 import math
+from typing import Tuple
 
 from omegaconf import DictConfig
 
 from orchestrator.planner.memory import state_bytes
 from orchestrator.planner.shapes import MiB, ModelShape, ParallelShape
+from trainers import rules
 
 
 def allreduce_bytes(size: float, n: int) -> float:
@@ -53,7 +57,7 @@ def fsdp_bytes(
     if not s.fsdp or s.dp <= 1:
         return 0.0
     pb, gb, _ = state_bytes(precision, planner)
-    return n_params * (fsdp_gathers(s, _overlap(comm)) * pb + gb)
+    return n_params * (fsdp_gathers(s, _overlap(comm)) * pb + fsdp_reduces(s) * gb)
 
 
 def fsdp_host_s(
@@ -67,19 +71,47 @@ def fsdp_host_s(
 
 
 def fsdp_gathers(s: ParallelShape, overlap: bool) -> int:
-    """All-gathers of each FSDP unit per step, as torch 2.13's FSDP2 issues them under the trainer
-    (counted by ``tests/test_dp_collectives.py``). Without a pipeline, the micro-batches run one
-    after another and each unit reshards after its backward: a block unit (``comm.overlap``,
-    ``reshard_after_forward=True``) is gathered for each micro-batch's forward and again for its
-    backward, 2 m; the one root unit without overlap (``reshard_after_forward=False``) once per
-    micro-batch, m. Under a pipeline, torch's stage keeps the units gathered after every backward
-    but the last (``set_reshard_after_backward(False)``, ``pipelining/stage.py``): a block unit is
-    gathered for the first forward and for each backward, m + 1; the root, never resharded
-    between, once. The gradients are reduce-scattered once a step (on the last micro-batch)."""
-    m = s.microbatches
-    if s.pp > 1:
-        return m + 1 if overlap else 1
-    return 2 * m if overlap else m
+    """All-gathers of each FSDP unit per step (:func:`trainers.rules.fsdp_gathers`)."""
+    return rules.fsdp_gathers(s.wrapping, s.pp, s.microbatches, overlap, s.schedule)
+
+
+def fsdp_reduces(s: ParallelShape) -> int:
+    """Reduce-scatters of each FSDP unit per step (:func:`trainers.rules.fsdp_reduces`)."""
+    return rules.fsdp_reduces(s.wrapping, s.pp, s.microbatches, s.schedule)
+
+
+def gather_share(s: ParallelShape, precision: DictConfig, comm: DictConfig, planner: DictConfig) -> float:
+    """Of a step's DP bytes, the share that are parameter gathers (the rest: gradient reductions)."""
+    if not s.fsdp or s.dp <= 1:
+        return 0.0
+    pb, gb, _ = state_bytes(precision, planner)
+    gathered = fsdp_gathers(s, _overlap(comm)) * pb
+    return gathered / (gathered + fsdp_reduces(s) * gb)
+
+
+def dp_windows(s: ParallelShape, compute_s: float, backward_s: float, comm: DictConfig) -> Tuple[float, float]:
+    """Seconds of compute (at 100% efficiency) behind which the step's (gathers, reductions) can
+    run, as each mode issues them. Gradients are reduced during the last micro-batch's backward
+    (DDP's reducer after ``no_sync``, FSDP2 after ``set_requires_gradient_sync(False)``, the TP
+    replicas' armed hooks): ``backward / m``; under a pipeline torch's schedule reduces FSDP's
+    gradients after every backward (its REDUCE_GRAD action) and the TP replicas reduce after the
+    schedule: nothing hides them. ZeRO-3 reduces each micro-batch's behind its own backward: the
+    whole backward. ``fsdp`` gathers a unit for every forward and backward, and
+    FSDP2 prefetches the next unit's gather behind the current unit's compute (forward and
+    backward): the whole compute; ``zero1`` gathers once, behind the first forward."""
+    if s.dp <= 1 or not _overlap(comm):
+        return 0.0, 0.0
+    m = max(1, s.microbatches)
+    forward = compute_s - backward_s
+    if rules.zero3(s.wrapping, s.pp, s.schedule):  # every micro-batch's backward reduces its own
+        return compute_s, backward_s
+    after_schedule = s.pp > 1 and (s.fsdp or s.tp > 1)
+    reduce = 0.0 if after_schedule else backward_s / m
+    if s.wrapping == "fsdp":
+        return compute_s, reduce
+    if s.wrapping == "zero1":
+        return forward / m, reduce
+    return 0.0, reduce
 
 
 def dp_calls(
@@ -99,5 +131,5 @@ def dp_calls(
     if s.fsdp:
         overlap = _overlap(comm)
         units = layers + s.chunks_per_rank if overlap else s.chunks_per_rank
-        return units * (fsdp_gathers(s, overlap) + 1)
+        return units * (fsdp_gathers(s, overlap) + fsdp_reduces(s))
     return math.ceil(n_params * state_bytes(precision, planner)[1] / (float(comm.bucket_mb) * MiB))

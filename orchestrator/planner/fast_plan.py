@@ -128,10 +128,10 @@ class FastPlanner:
         key = (s.tp, s.pp, s.schedule, s.virtual_stages, rank)
         return _memo(self._params, key, lambda: rank_params(m, s, rc))
 
-    def _dp_buffers(self, m: ModelShape, s: ParallelShape, n: int) -> float:
-        key = (s.dp > 1, s.fsdp, s.tp, n)
+    def _dp_buffers(self, m: ModelShape, s: ParallelShape, n: int, rc) -> float:
+        key = (s.wrapping, s.dp > 1, s.tp, s.pp, s.microbatches > 1, n, len(rc.layers))
         pl, cm = self.cfg.planner, self.cfg.comm
-        return _memo(self._dp_buf, key, lambda: dp_buffer_bytes(m, s, cm, pl, n, self.pb, self.gb))
+        return _memo(self._dp_buf, key, lambda: dp_buffer_bytes(m, s, cm, pl, n, self.pb, self.gb, rc))
 
     def memory(self, m: ModelShape, s: ParallelShape) -> MemoryPlan:
         """:func:`orchestrator.planner.memory.memory_plan`'s composition, over this planner's caches."""
@@ -144,7 +144,7 @@ class FastPlanner:
             self.comm_bytes,
             contents=lambda rank: self._rank(m, s, rank),
             state=lambda rank: self._rank_state(m, s, rank),
-            dp_buffers=lambda rc, rank: self._dp_buffers(m, s, self._rank_params(m, s, rc, rank)),
+            dp_buffers=lambda rc, rank: self._dp_buffers(m, s, self._rank_params(m, s, rc, rank), rc),
         )
 
     # -- step time ----------------------------------------------------------------------------

@@ -18,8 +18,9 @@
   channels: an estimate, ``planner.nccl_channels``, calibrated by ``bench/comm_memory.py``);
   communicators are the world, dp, tp groups and the pipeline neighbours a rank talks to. Data parallelism
   (:func:`dp_buffer_bytes`): DDP keeps a flat copy of every gradient in its buckets unless
-  ``gradient_as_bucket_view`` (torch docs), else about two buckets in flight; FSDP gathers one
-  block's parameters while prefetching the next. Without overlap (``comm.overlap=false``) there
+  ``gradient_as_bucket_view`` (torch docs), as do the TP replicas' buckets; FSDP gathers one
+  block's parameters while prefetching the next, ``zero1`` keeps every unit gathered for the
+  step, and both hold whole gradients while micro-batches accumulate. Without overlap (``comm.overlap=false``) there
   is no DDP wrapper: after the backward pass the gradients are copied into flat buckets of
   ``comm.bucket_mb``, all of them all-reduced at once and then waited on (``trainers/comm.py``
   ``allreduce_after_backward``), so a flat copy of every gradient is in flight; and FSDP is one
@@ -54,6 +55,7 @@ from orchestrator.planner.shapes import (
     rank_params,
     rank_tensors,
 )
+from trainers import rules
 
 
 def state_bytes(precision: DictConfig, planner: DictConfig) -> Tuple[int, int, int]:
@@ -151,15 +153,37 @@ def communicator_bytes(backend: str, comm: DictConfig, planner: DictConfig) -> f
 
 
 def dp_buffer_bytes(
-    m: ModelShape, s: ParallelShape, comm: DictConfig, planner: DictConfig, n: int, pb: int, gb: int
+    m: ModelShape, s: ParallelShape, comm: DictConfig, planner: DictConfig, n: int, pb: int, gb: int, rc: Any
 ) -> float:
-    """Data-parallel buffers of a rank holding ``n`` parameters before FSDP sharding."""
+    """Data-parallel buffers of pipeline rank contents ``rc`` holding ``n`` parameters before FSDP
+    sharding."""
     if s.dp <= 1:
         return 0.0
     if s.fsdp:
-        if not comm.overlap:  # one unit per stage: all of the rank's parameters and their full gradients
-            return float(n * (pb + gb))
-        return float(block_params(m, s) * (2 * pb + gb))  # the gathered block, the prefetched next, its gradient
+        block = block_params(m, s)
+        # unsharded gradients: accumulated whole across the micro-batches (FSDP2 keeps them until
+        # the last backward's reduce-scatter, set_requires_gradient_sync(False); a pipeline's stage
+        # does so for every backward), and the one root unit's all at once; else a block's at a time
+        zero3 = rules.zero3(s.wrapping, s.pp, s.schedule)  # reduced into shards every micro-batch
+        whole_grads = not comm.overlap or (not zero3 and (s.microbatches > 1 or s.pp > 1))
+        # whole gradients stand in for the sharded ones the state counts (those exist only after
+        # the last reduce-scatter, when the whole ones are freed)
+        sharded = sum(local_numel(t, s) for t in rank_tensors(m, rc))
+        grads = n - sharded if whole_grads else block
+        if s.wrapping == "zero1" or not comm.overlap:
+            # every unit gathered for the step (or the one root unit), and the largest landing:
+            # FSDP2 gathers a unit into one flat buffer and copies it out into the parameters
+            gathered = n + (max(block, n - len(rc.layers) * block) if comm.overlap else n)
+        elif s.pp > 1:
+            # the stage's forward reshards every unit, the root too, before the loss's backward
+            # peak: the prefetched block, landing (measured on dp2pp2's last stage)
+            gathered = 2 * block
+        else:
+            # the stage root (embeddings, final norm, head) gathered for its backward, the block
+            # and the prefetched next, the largest of them landing
+            root = n - len(rc.layers) * block
+            gathered = 2 * block + root + max(block, root)
+        return float(gathered * pb + grads * gb)
     # DDP's buckets copy every gradient (the trainer does not set gradient_as_bucket_view); without
     # the wrapper (comm.overlap=false) every bucket's flat copy is in flight at once after the backward
     return float(n * gb)
@@ -243,7 +267,12 @@ def compose_memory_plan(
         st = state(rank)
         act = rank_activation_bytes(m, s, rc, rank, ab)
         if rc.head:  # the loss's own peak sits on top of what the rank saves
-            act += loss_transient_bytes(m, s.seq_len, s.micro_batch, s.tp, ab)
+            act += loss_transient_bytes(m, s.seq_len, s.micro_batch, s.tp, ab, pipelined=s.pp > 1)
+        dp_buf = dp_buffers(rc, rank)
+        if s.wrapping == "ddp" and s.tp > 1:
+            # the TP replicas' buckets are made during the last backward, as it frees the
+            # activations: they add only what exceeds them (measured: tests/test_step_peak.py)
+            dp_buf = max(0.0, dp_buf - act)
         n_comm = communicators(s, rank)
         plan = MemoryPlan(
             params=float(st.params),
@@ -251,7 +280,7 @@ def compose_memory_plan(
             optimizer=float(st.optimizer),
             activations=act,
             comm_buffers=n_comm * comm_bytes,
-            dp_buffers=dp_buffers(rc, rank),
+            dp_buffers=dp_buf,
             overhead=reserve + fraction * (st.total + act),
             rank=rank,
             communicators=n_comm,
@@ -279,5 +308,5 @@ def memory_plan(
         communicator_bytes(chip.dist_backend, comm, planner),
         contents=lambda rank: rank_contents(m, s, rank),
         state=lambda rank: model_state(m, s, precision, planner, rank),
-        dp_buffers=lambda rc, rank: dp_buffer_bytes(m, s, comm, planner, rank_params(m, s, rc), pb, gb),
+        dp_buffers=lambda rc, rank: dp_buffer_bytes(m, s, comm, planner, rank_params(m, s, rc), pb, gb, rc),
     )

@@ -34,6 +34,22 @@ def link(chip: DictConfig, ranks_spanned: int) -> float:
     return max(float(gbps), 1e-9) * 1e9
 
 
+def dp_link(chip: DictConfig, s: ParallelShape) -> float:
+    """Per-device bandwidth, bytes/s, of a data-parallel group's collectives. Across nodes each of
+    the group's k members on a node drives its own NIC (``inter_node_gbps`` is per device: DGX
+    A100 and H100 have one 200/400 Gb/s port a GPU, an Atlas 800T A2 one 200GE port an NPU), and
+    the collective splits the bytes over them: NCCL runs a ring per channel with the channels
+    spread over the NICs, HCCL's hierarchical algorithms reduce within the server over HCCS and
+    cross servers from every NPU at once. So the group moves k times one NIC's rate, at most the
+    intra-node link; k = devices a node / (tp x pp), the mesh being (dp, pp, tp) with tp
+    innermost. A CPU host's worker processes share its one NIC (k = 1)."""
+    per_node = int(chip.devices_per_node)
+    if s.world <= per_node:
+        return link(chip, s.world)
+    k = 1 if chip.device_type == "cpu" else max(1, per_node // (s.tp * s.pp))
+    return min(float(chip.intra_node_gbps), k * float(chip.inter_node_gbps)) * 1e9
+
+
 def tp_collectives(m: ModelShape, s: ParallelShape) -> Tuple[int, int]:
     """A layer's TP collectives per micro-batch on the sub-layers' activations (all-reduces, or
     with sequence parallelism all-gathers and reduce-scatters) and on the norms' gradients."""

@@ -51,15 +51,15 @@ def default_microbatches(parallel: DictConfig, trainer: DictConfig, dp: int, pp:
     return next((d for d in _divisors(per_replica) if d >= need and ok(d)), int(parallel.microbatches))
 
 
-def layouts(devices: int, model: DictConfig, chip: DictConfig, max_pp: int = 16) -> List[Tuple[int, int, int]]:
+def layouts(devices: int, model: DictConfig, chip: DictConfig, max_pp: int = 0) -> List[Tuple[int, int, int]]:
     """Every (dp, tp, pp) of ``devices``: tp a power of two dividing the heads, key/value heads
-    and d_ff, within one node; pp dividing the layers, up to ``max_pp``."""
+    and d_ff, within one node; pp dividing the layers, up to ``max_pp`` (0: the layers)."""
     m = ModelShape.of(model)
     out = []
     tp = 1
     while tp <= min(devices, int(chip.devices_per_node)):
         if m.heads % tp == 0 and m.kv_heads % tp == 0 and m.d_ff % tp == 0:
-            for pp in range(1, min(max_pp, m.layers) + 1):
+            for pp in range(1, (min(max_pp, m.layers) if max_pp > 0 else m.layers) + 1):
                 if m.layers % pp == 0 and devices % (tp * pp) == 0:
                     out.append((devices // (tp * pp), tp, pp))
         tp *= 2
@@ -184,8 +184,11 @@ def base_config(cfg: DictConfig, coverage: Optional[OpCoverage] = None) -> Tuple
 
 
 def points(base: DictConfig, devices: int, space: Space = Space()) -> Iterator[Candidate]:
-    """Every point of the space, layout by layout (:func:`layouts`, :func:`space.candidates`)."""
+    """Every point of the space, layout by layout (:func:`layouts`, :func:`space.candidates`;
+    ``space.layouts``, where given, the ones of them to plan)."""
     for dp, tp, pp in layouts(devices, base.model, base.chip, space.max_pp):
+        if space.layouts and (dp, tp, pp) not in space.layouts:
+            continue
         yield from candidates(dp, tp, pp, int(base.trainer.global_batch), int(base.model.n_layers), space)
 
 

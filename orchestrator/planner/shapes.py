@@ -146,7 +146,8 @@ class ParallelShape:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     sequence_parallel: bool = False
-    fsdp: bool = False
+    # parallel.dp_shard as the trainer runs it (trainers.rules.DP_MODES); read only where dp > 1
+    dp_mode: str = "ddp"
     compiled: str = ""  # trainer.compile's backend for the chip (trainers.rules), "" when eager
 
     @classmethod
@@ -167,9 +168,20 @@ class ParallelShape:
             schedule=str(parallel.schedule),
             virtual_stages=int(parallel.virtual_stages),
             sequence_parallel=bool(parallel.sequence_parallel) and lay.tp > 1,
-            fsdp=rules.dp_wrapping(lay.dp, lay.tp, str(parallel.dp_shard)) == "fsdp",
+            dp_mode=str(parallel.dp_shard),
             compiled=backend if compiled else "",
         )
+
+    @property
+    def wrapping(self) -> str:
+        """The trainer's data-parallel wrapping: ``none`` with one replica, else the mode."""
+        return rules.dp_wrapping(self.dp, self.tp, self.dp_mode)
+
+    @property
+    def fsdp(self) -> bool:
+        """Parameters, gradients and optimizer state sharded over the replicas between steps
+        (FSDP2: ``zero1`` and ``fsdp``)."""
+        return rules.sharded(self.wrapping)
 
     @property
     def world(self) -> int:
@@ -282,9 +294,9 @@ def rank_params(m: ModelShape, s: ParallelShape, rc: rules.RankStages, tp_rank: 
     """Parameters a pipeline rank holds before FSDP sharding: its layers' matrices / tp, the
     norms, the vocabulary-parallel embedding / tp on the first stage and the head (a copy of a
     tied embedding when the stages differ) / tp on the last. TP rank 0 holds the most."""
-    return sum(local_numel(t, replace(s, fsdp=False), tp_rank) for t in rank_tensors(m, rc))
+    return sum(local_numel(t, replace(s, dp_mode="ddp"), tp_rank) for t in rank_tensors(m, rc))
 
 
 def block_params(m: ModelShape, s: ParallelShape, tp_rank: int = 0) -> int:
     """Parameters of one block on one TP rank, before FSDP sharding (what FSDP gathers per unit)."""
-    return sum(local_numel(t, replace(s, fsdp=False), tp_rank) for t in block_tensors(m))
+    return sum(local_numel(t, replace(s, dp_mode="ddp"), tp_rank) for t in block_tensors(m))

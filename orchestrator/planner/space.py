@@ -4,9 +4,9 @@ A point (:class:`Candidate`) is a DP/TP/PP layout (:func:`orchestrator.planner.s
 with its batch arithmetic and memory knobs: ``trainer.micro_batch`` (without a pipeline, a
 divisor of the replica's batch) or ``parallel.microbatches`` (with one, a divisor of it), the
 pipeline schedule and its stages per rank, ``model.activation_checkpointing``,
-``parallel.dp_shard`` and ``parallel.sequence_parallel``. Values that change nothing the trainer
-does are not separate points: ``dp_shard`` is ``fsdp`` with tensor parallelism (DP is always
-FSDP2 there, :func:`trainers.rules.dp_wrapping`) and ``ddp`` with one replica; sequence
+``parallel.dp_shard`` (each data-parallel mode, :data:`trainers.rules.DP_MODES`) and
+``parallel.sequence_parallel``. Values that change nothing the trainer does are not separate
+points: ``dp_shard`` is ``ddp`` with one replica; sequence
 parallelism only with ``tp > 1``; ``virtual_stages`` is the stages per rank the schedule runs
 (1 for GPipe and 1F1B, 2 for ZB-V, for interleaved 1F1B each count from 2 whose stages split the
 layers evenly). Which rules a point must keep is the validator's business: points that break
@@ -63,7 +63,7 @@ class Candidate:
         if self.pp > 1:
             parts.append(f"m{self.microbatches}")
             parts.append(self.schedule + (f"(v={self.virtual_stages})" if self.schedule == "interleaved_1f1b" else ""))
-        parts += ["ckpt"] * self.activation_checkpointing + ["fsdp"] * (self.dp_shard == "fsdp" and self.dp > 1)
+        parts += ["ckpt"] * self.activation_checkpointing + [self.dp_shard] * (self.dp_shard != "ddp" and self.dp > 1)
         return "+".join(parts) + ("+sp" if self.sequence_parallel else "")
 
     def values(self, devices: int, devices_per_node: int) -> Dict[str, Any]:
@@ -97,9 +97,10 @@ class Space:
 
     schedules: Tuple[str, ...] = SCHEDULES
     activation_checkpointing: Tuple[bool, ...] = (False, True)
-    dp_shard: Tuple[str, ...] = ("ddp", "fsdp")
+    dp_shard: Tuple[str, ...] = rules.DP_MODES
     sequence_parallel: Tuple[bool, ...] = (False, True)
-    max_pp: int = 16
+    max_pp: int = 0  # 0: every pipeline depth that divides the layers
+    layouts: Tuple[Tuple[int, int, int], ...] = ()  # (dp, tp, pp) to plan; empty: every one
 
 
 def _divisors(n: int) -> List[int]:
@@ -132,10 +133,7 @@ def candidates(
         ]
     if global_batch % dp:
         batches = batches[:1]
-    if dp > 1 and tp == 1:
-        shards = list(space.dp_shard)
-    else:  # one replica: no wrapping; with TP the replicas are FSDP2 whatever dp_shard says
-        shards = ["fsdp" if dp > 1 else "ddp"]
+    shards = list(space.dp_shard) if dp > 1 else ["ddp"]  # one replica: no wrapping
     sps = list(space.sequence_parallel) if tp > 1 else [False]
     for mb, m, sched, v in batches:
         for ckpt in space.activation_checkpointing:

@@ -12,8 +12,11 @@
   parameters all-gathered as often as :func:`fsdp_gathers` says and the gradients reduce-scattered
   once, 1.5x for one micro-batch, as the ZeRO paper's sec. 7.2 counts), over the
   intra-node link when the whole group sits in one node, else the inter-node link; a fraction
-  ``dp_overlap`` of it, of the part that can overlap at all, hides behind the backward pass
-  (never more than the backward takes), and none of it with ``comm.overlap=false``. DDP reduces a
+  ``dp_overlap`` of it, of the part that can overlap at all, hides behind the compute the trainer
+  runs beside it (:func:`dp_comm.dp_windows`: the gradients behind the last micro-batch's
+  backward, FSDP's gathers behind every forward and backward it prefetches into, ``zero1``'s one
+  gather behind the first forward), never more than that compute takes, and none of it with
+  ``comm.overlap=false``. DDP reduces a
   bucket once the backward has made all of its gradients (Li et al. 2020, "PyTorch Distributed",
   sec. 3.2.3), so the bucket holding the first layers' gradients, made last, is reduced after the
   backward: of n buckets (``comm.bucket_mb``) or FSDP collectives, ``(n - 1) / n`` can overlap.
@@ -80,8 +83,8 @@ from omegaconf import DictConfig
 
 from orchestrator.planner import traffic
 from orchestrator.planner.cpu_host import cpu_share, group_wait, lockstep
-from orchestrator.planner.dp_comm import dp_calls, dp_traffic_bytes, fsdp_host_s
-from orchestrator.planner.mesh_comm import link, mesh_comm
+from orchestrator.planner.dp_comm import dp_calls, dp_traffic_bytes, dp_windows, fsdp_host_s, gather_share
+from orchestrator.planner.mesh_comm import dp_link, mesh_comm
 from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, rank_contents, rank_params
 from trainers import rules
 
@@ -159,6 +162,11 @@ class StepParts:
     latency_s: float
     model_flops: float
     peak_flops: float  # all devices together
+    # of the DP seconds, the share that are parameter gathers, and the compute (at 100%
+    # efficiency) that the gathers and the gradient reductions can hide behind (dp_comm.dp_windows)
+    dp_gather_share: float = 0.0
+    gather_window_s: float = 0.0
+    reduce_window_s: float = 0.0
     tp_hops: float = 0.0  # sum over the step's TP collectives of log2(tp)
     pp_hops: float = 0.0  # one per pipeline send
     dp_hops: float = 0.0  # sum over the step's DP collectives of log2(dp)
@@ -226,11 +234,12 @@ def step_parts(
     memory = traffic.memory_seconds(m, s, precision, chip, planner)
     tp_s, tp_calls, pp_s, pp_calls = mesh_comm(m, s, chip, layers, BYTES[precision.compute_dtype])
     n = max(params(rc, r) for r, rc in enumerate(ranks))
-    dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / link(chip, s.world)
+    dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / dp_link(chip, s)
     n_dp = dp_calls(m, s, n, layers, precision, comm, planner)
     # the bucket (or FSDP unit) whose gradients the backward makes last is reduced after it: at
     # most (n - 1) / n of the traffic can hide (one 25 MiB bucket holding every gradient hides none)
     overlap = float(planner.dp_overlap) * (1.0 - 1.0 / max(1, n_dp)) if comm.overlap else 0.0
+    gather_window, reduce_window = dp_windows(s, compute, backward, comm)
     return StepParts(
         compute_s=compute,
         memory_s=memory,
@@ -244,6 +253,9 @@ def step_parts(
         pp_calls=pp_calls,
         dp_calls=n_dp,
         overlap=overlap,
+        dp_gather_share=gather_share(s, precision, comm, planner),
+        gather_window_s=gather_window,
+        reduce_window_s=reduce_window,
         latency_s=collective_latency_s(planner, chip),
         model_flops=flops,
         peak_flops=peak_all,
@@ -283,6 +295,15 @@ class _Scalars:
         return a if cond else b
 
 
+def _hidden(c: Mapping[str, Any], dp, ec, ops: Any):
+    """Of ``dp`` seconds of data-parallel collectives, those hidden behind the compute: the
+    gathers' share behind their window, the reductions' behind theirs, each at most the
+    ``overlap`` fraction of itself (:func:`dp_comm.dp_windows`)."""
+    g = c["dp_gather_share"]
+    gathers = ops.minimum(c["overlap"] * dp * g, c["gather_window_s"] / ec)
+    return gathers + ops.minimum(c["overlap"] * dp * (1.0 - g), c["reduce_window_s"] / ec)
+
+
 def model(c: Mapping[str, Any], ec, en, lat, layer, stage, hop, tp_layer, ops: Any = _Scalars) -> Dict[str, Any]:
     """The step-time model over one trial's :class:`StepParts` fields ``c`` (``vars(parts)``) or
     over arrays of many trials' (``ops=numpy``, what the calibration fits with): the step's
@@ -296,11 +317,11 @@ def model(c: Mapping[str, Any], ec, en, lat, layer, stage, hop, tp_layer, ops: A
     stretch = 1.0 / (1.0 - c["bubble"])
     tp, pp, dp = (c[k + "_comm_s"] / en + c[k + "_calls"] * lat + c[k + "_hops"] * hop for k in ("tp", "pp", "dp"))
     waited = dp * c["dp_wait"]
-    exposed = waited - ops.minimum(c["overlap"] * waited, c["backward_s"] / ec)
+    exposed = waited - _hidden(c, waited, ec, ops)
     critical = busy * stretch + tp * c["tp_wait"] + pp * c["pp_wait"] + exposed
     # the host's cores: every worker's busy time, and the waits of a collective every worker of
     # the node is in (no one is left to run while it waits)
-    lockstep = tp * c["tp_lockstep"] + (dp - ops.minimum(c["overlap"] * dp, c["backward_s"] / ec)) * c["dp_lockstep"]
+    lockstep = tp * c["tp_lockstep"] + (dp - _hidden(c, dp, ec, ops)) * c["dp_lockstep"]
     throughput = u * busy + lockstep
     step = ops.maximum(critical, throughput)
     return {
