@@ -83,6 +83,16 @@ RULES: Dict[str, Rule] = {
     ),
     "parallel.dp_shard": _unless(lambda c, lay: lay.dp > 1, "with one replica there is no data parallelism"),
     "parallel.sequence_parallel": _unless(lambda c, lay: lay.tp > 1, "sequence parallelism needs parallel.tp>1"),
+    "model.lean_ops": _unless(
+        lambda c, lay: c.model.norm == "rmsnorm" or c.model.mlp == "swiglu",
+        "acts on RMSNorm and SwiGLU only (model.norm=rmsnorm or model.mlp=swiglu)",
+    ),
+    **{
+        f"model.{k}": _unless(
+            lambda c, lay: bool(c.model.activation_checkpointing), "read by model.activation_checkpointing=true only"
+        )
+        for k in ("recompute_granularity", "recompute_layers")
+    },
     "trainer.micro_batch": _unless(
         lambda c, lay: lay.pp == 1, "with a pipeline, parallel.microbatches cuts the batch instead"
     ),

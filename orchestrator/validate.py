@@ -35,6 +35,7 @@ CHOICES = {
     "model.mlp": ("gelu", "swiglu"),
     "model.pos_emb": ("learned", "rope"),
     "model.attn_impl": ("fused", "decomposed", "npu_fused"),
+    "model.recompute_granularity": ("full", "selective"),
     "data.name": ("stdlib", "memmap", "megatron", "synthetic"),
     "trainer.measure": ("fixed", "adaptive"),
     "launch.start_method": ("spawn", "forkserver", "fork"),
@@ -113,7 +114,9 @@ def _knob_rules(cfg: DictConfig, err) -> None:
             f"precision.fp32_ops={list(pr.fp32_ops)} leaves out softmax, but model.attn_impl={m.attn_impl} keeps its "
             f"softmax statistics in fp32 inside the kernel; list softmax or set model.attn_impl=decomposed"
         )
-    if not c.overlap and c.compression != "none":
+    if m.recompute_layers < -1:
+        err(f"model.recompute_layers={m.recompute_layers}: the first N blocks of each stage, or -1 for all")
+    if not c.overlap and c.compression != "none" and int(cfg.parallel.tp) == 1:
         err(
             f"comm.overlap=false with comm.compression={c.compression}: compression runs as a DDP communication "
             f"hook during the backward pass; set comm.overlap=true or comm.compression=none"

@@ -83,6 +83,11 @@ def ratio_refit(measured: Sequence[Entry], min_error: float = 0.05) -> Tuple[Cal
     return (lambda e: e.predicted_s * scale), max(error, min_error)
 
 
+def _recompute(c: Candidate) -> int:
+    """How much a point recomputes: none, the attention core, whole blocks."""
+    return 0 if not c.activation_checkpointing else 1 if c.recompute_granularity == "selective" else 2
+
+
 def implied_by_oom(failed: Candidate, other: Candidate) -> bool:
     """Whether ``other`` needs at least the memory ``failed`` ran out of: the same layout,
     schedule, stages and microbatches, a micro-batch as large or larger, and no more recompute,
@@ -99,7 +104,7 @@ def implied_by_oom(failed: Candidate, other: Candidate) -> bool:
     shard = [DP_MODES.index(c.dp_shard) if c.dp > 1 else 0 for c in (failed, other)]
     return (
         other.micro_batch >= failed.micro_batch
-        and other.activation_checkpointing <= failed.activation_checkpointing
+        and _recompute(other) <= _recompute(failed)
         and shard[1] <= shard[0]
         and other.sequence_parallel <= failed.sequence_parallel
     )

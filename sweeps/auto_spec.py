@@ -70,9 +70,13 @@ def parse(spec: Dict[str, Any]) -> AutoSpec:
     shards = tuple(space.get("dp_shard") or DP_MODES)
     if set(shards) - set(DP_MODES):
         errors.append(f"{PREFIX}.space.dp_shard: {list(shards)}: each must be one of {list(DP_MODES)}")
+    granularities = tuple(space.get("recompute_granularity") or ("full", "selective"))
+    if set(granularities) - {"full", "selective"}:
+        errors.append(f"{PREFIX}.space.recompute_granularity: {list(granularities)}: each must be full or selective")
     out.space = Space(
         schedules=schedules,
         activation_checkpointing=tuple(bool(v) for v in (space.get("activation_checkpointing") or (False, True))),
+        recompute_granularity=granularities,
         dp_shard=shards,
         sequence_parallel=tuple(bool(v) for v in (space.get("sequence_parallel") or (False, True))),
         max_pp=int(space.get("max_pp") or 0),

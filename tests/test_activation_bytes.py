@@ -31,6 +31,7 @@ from test_saved_activations import SavedBytes
 from orchestrator.planner.activations import (
     ActBytes,
     checkpointed_layer_bytes,
+    core_activation_bytes,
     embedding_activation_bytes,
     fused_layer_activation_bytes,
     head_activation_bytes,
@@ -194,10 +195,10 @@ def test_dropout_counts_only_when_set():
     assert planned("gpt-decomposed")["block"] == pytest.approx(measured("gpt-decomposed")["block"], rel=0.05)
 
 
-def live_after_forward(case: str, n_layers: int) -> int:
+def live_after_forward(case: str, n_layers: int, **recompute) -> int:
     """Bytes of every storage the forward made that is still alive once it returns (the logits
     dropped, the loss kept): what the graph and checkpoints hold for the backward."""
-    model, pargs, _, _ = build(case, n_layers=n_layers, activation_checkpointing=True)
+    model, pargs, _, _ = build(case, n_layers=n_layers, activation_checkpointing=True, **recompute)
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -232,3 +233,40 @@ def test_checkpointed_block_keeps_its_input_only(case):
     per_block = (live_after_forward(case, 4) - live_after_forward(case, 2)) / 2
     _, _, m, ab = build(case)
     assert checkpointed_layer_bytes(m, SEQ, B, 1, False, ab) == pytest.approx(per_block, rel=0.05), per_block
+
+
+# selective recomputation on each attention path: fused (GPT's view output, Llama's copy and RoPE),
+# decomposed with dropout, and autocast's casts
+SELECTIVE_CASES = [
+    "gpt-fused",
+    "llama-fused-gqa",
+    "llama-decomposed-dropout",
+    "llama-bf16-decomposed",
+    "gpt-fp32params-bf16",
+]
+
+
+@pytest.mark.parametrize("case", SELECTIVE_CASES)
+def test_a_selectively_recomputed_block_keeps_all_but_its_attention_core(case):
+    """``model.recompute_granularity=selective``: the attention core runs under a checkpoint, so a
+    block keeps what it keeps eagerly less :func:`core_activation_bytes` (to the byte: 0.80-1.00
+    of the eager block on these cases, the decomposed path with dropout the least)."""
+    sel = dict(recompute_granularity="selective")
+    per_block = (live_after_forward(case, 4, **sel) - live_after_forward(case, 2, **sel)) / 2
+    _, _, m, ab = build(case)
+    eager = layer_activation_bytes(m, SEQ, B, 1, False, ab) + layer_weight_cast_bytes(m, 1, ab)
+    assert eager - core_activation_bytes(m, SEQ, B, 1, ab) == per_block
+    assert per_block < eager
+
+
+def test_only_the_first_recompute_layers_blocks_recompute():
+    """``model.recompute_layers=2`` of 4 blocks: blocks 2 and 3 keep their whole set, 0 and 1 their
+    input only (the planner's count, ``shapes.recomputed_layers``)."""
+    case = "llama-fused-gqa"
+    _, _, m, ab = build(case)
+    full = layer_activation_bytes(m, SEQ, B, 1, False, ab)
+    kept = checkpointed_layer_bytes(m, SEQ, B, 1, False, ab)
+    four = live_after_forward(case, 4, recompute_layers=2)
+    two = live_after_forward(case, 2, recompute_layers=2)  # both blocks recompute
+    assert four - two == 2 * full
+    assert two - live_after_forward(case, 0) == 2 * kept

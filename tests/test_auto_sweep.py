@@ -81,12 +81,14 @@ def test_a_dry_run_plans_and_launches_nothing(tmp_path, monkeypatch, capfd):
     args = [*BASE, "model=llama_tiny", "launch.world_size=4", "hydra.sweeper.dry_run=true"]
     code, out, err = cli_in_process(args, tmp_path, monkeypatch, capfd)
     assert code == 0, err[-3000:]
-    # the space: dp4 2 micro-batches x 2 recompute x 3 DP modes; dp2pp2 3 pipeline micro-batch
-    # counts x 4 schedules x 2 x 3; pp4 4 x 4 x 2; dp2tp2 3 x 2 x 3 x 2 sequence parallel; tp2pp2
-    # 4 x 4 x 2 x 2. 130 fit: short pipelines, ZB-V and GPipe under overlapped replicas refused
-    points = 2 * 2 * 3 + 3 * 4 * 2 * 3 + 4 * 4 * 2 + 3 * 2 * 3 * 2 + 4 * 4 * 2 * 2
-    assert f"auto (dry run): {points} points, 130 fit" in out, out
-    assert "excluded     56  parallel.microbatches=N is below parallel.pp=N" in out
+    # the space: dp4 2 micro-batches x 3 recompute settings (none, full, selective) x 3 DP modes;
+    # dp2pp2 3 pipeline micro-batch counts x 4 schedules x 3 x 3; pp4 4 x 4 x 3; dp2tp2 3 x 3 x 3
+    # x 2 sequence parallel; tp2pp2 4 x 4 x 3 x 2. 195 fit: short pipelines, ZB-V and GPipe under
+    # overlapped replicas refused
+    r = 3
+    points = 2 * r * 3 + 3 * 4 * r * 3 + 4 * 4 * r + 3 * r * 3 * 2 + 4 * 4 * r * 2
+    assert f"auto (dry run): {points} points, 195 fit" in out, out
+    assert "excluded     84  parallel.microbatches=N is below parallel.pp=N" in out
     assert "    1. dp4tp1pp1" in out and "measure: at most 12 trials in batches of 2" in out
     assert "polish from the winner, one at a time, at most 10 trials" in out
     uri = "sqlite:///" + str(tmp_path / "mlruns.db")

@@ -56,6 +56,18 @@ for _mode in MODES:
         _after = ["comm.overlap=false"] if (_name, _mode) == ("gpipe", "ddp") else []
         CASES[f"dp2pp2-{_name}-{_mode}"] = (4, ["parallel=dp2pp2", _shard, *PIPE, *_over, *_after])
     CASES[f"dp2tp2pp2-{_mode}"] = (8, ["parallel=dp2tp2pp2", _shard, *PIPE, "parallel.sequence_parallel=true"])
+# recomputation beside the modes: the attention core under TP + SP, the first block of each
+# pipeline stage from its input (the reference recomputes nothing: the numbers are the same)
+CASES["dp2tp2-sp-zero1-selective"] = (
+    4,
+    ["parallel=dp2tp2", "parallel.dp_shard=zero1", "parallel.sequence_parallel=true"]
+    + ["model.activation_checkpointing=true", "model.recompute_granularity=selective"],
+)
+CASES["dp2pp2-1f1b-fsdp-recompute-1"] = (
+    4,
+    ["parallel=dp2pp2", "parallel.dp_shard=fsdp", *PIPE, "model.activation_checkpointing=true"]
+    + ["model.recompute_layers=1"],
+)
 # the TP replicas' buckets on a 16-bit wire (comm.compression), not in the reference's band
 WIRES = {f"dp2tp2-ddp-{w}-wire": (4, ["parallel=dp2tp2", f"comm.compression={w}"]) for w in ("fp16", "bf16")}
 

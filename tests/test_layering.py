@@ -76,7 +76,7 @@ def test_the_schema_and_the_layout_rules_import_no_torch():
     for module in TORCH_FREE:
         path = ROOT / (module.replace(".", "/") + ".py")
         # the standard library's plain modules only (os, pathlib: trainers.config's cache folder)
-        allowed = {"__future__", "dataclasses", "typing", "os", "pathlib", "trainers"}
+        allowed = {"__future__", "dataclasses", "functools", "typing", "os", "pathlib", "trainers"}
         assert _imports(path) <= allowed, (module, _imports(path))
         # and from the trainer, only another of these (trainers.config reads the KV-heads rule)
         assert _trainer_modules(path) <= set(TORCH_FREE), (module, _trainer_modules(path))

@@ -203,9 +203,9 @@ def test_without_overlap_dp_buffers_and_collectives():
     assert n == m.n_params
     block = planner.block_params(m, fsdp)
     root = n - 32 * block  # the embedding, final norm and head: the stage root's unit
-    # one micro-batch: the gathered block and the prefetched next, the root, the largest unit
-    # landing in its flat all-gather buffer; a block's whole gradient before its reduce-scatter
-    gathered = 2 * block + root + max(block, root)
+    # one micro-batch: the gathered block and the prefetched next beside the root; a block's
+    # whole gradient before its reduce-scatter
+    gathered = 2 * block + root
     assert planner.memory_plan(m, fsdp, prec, on, chip, DEFAULTS.planner).dp_buffers == gathered * pb + block * gb
     # the one root unit: every parameter gathered (and landing), whole gradients beside the shards
     sharded = planner.model_state(m, fsdp, prec, DEFAULTS.planner, 0).params // pb

@@ -57,7 +57,16 @@ class ModelConfig:
     # fused (scaled_dot_product_attention) | decomposed (matmul + softmax + matmul) | npu_fused
     # (torch_npu.npu_fusion_attention, Ascend A2; what the planner maps fused attention to there)
     attn_impl: str = "fused"
+    # RMSNorm and SwiGLU keep only what their backward needs, recomputing the rest
+    # (trainers/lean_ops.py); false: autograd's decomposition (what the trainer kept before)
+    lean_ops: bool = True
     activation_checkpointing: bool = False
+    # what activation checkpointing recomputes: full (each block from its input) | selective (the
+    # attention core: RoPE, scores, softmax, dropout and the product with V, as Megatron's
+    # --recompute-granularity selective); and in how many blocks of each stage chunk, the first
+    # ones (-1: all, as Megatron's --recompute-num-layers with its block method)
+    recompute_granularity: str = "full"
+    recompute_layers: int = -1
     dropout: float = 0.0  # attention-probability and residual dropout while training
     # a Hugging Face model folder (or its config.json): its architecture fills the keys above
     # (orchestrator/hf_model.py)

@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from trainers import lean_ops
 from trainers.attention import npu_fused
 from trainers.config import ModelConfig
 
@@ -38,15 +39,17 @@ def in_dtype(dtype: Optional[torch.dtype], fn, x: torch.Tensor, *params: Optiona
 class RMSNorm(nn.Module):
     compute_dtype: Optional[torch.dtype] = None  # precision.fp32_ops decides; None: the input's
 
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, lean: bool = True):
         super().__init__()
-        self.eps = eps
+        self.eps, self.lean = eps, lean
         self.weight = nn.Parameter(torch.ones(dim))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if lean_ops.lean(self.lean):  # keeps the input and the rsqrt only (trainers/lean_ops.py)
+            return lean_ops.rms_norm(x, self.weight, self.eps, self.compute_dtype)
         return in_dtype(self.compute_dtype, self._norm, x, self.weight)
 
 
@@ -62,7 +65,7 @@ class LayerNorm(nn.LayerNorm):
 
 def make_norm(args: ModelConfig) -> nn.Module:
     if args.norm == "rmsnorm":
-        return RMSNorm(args.d_model, eps=args.norm_eps)
+        return RMSNorm(args.d_model, eps=args.norm_eps, lean=args.lean_ops)
     return LayerNorm(args.d_model, eps=args.norm_eps)
 
 
@@ -101,6 +104,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class Attention(nn.Module):
     softmax_dtype: Optional[torch.dtype] = None  # decomposed path; precision.fp32_ops decides
+    # selective recompute (model.recompute_granularity): the core is recomputed in the backward,
+    # set by GPT.forward for the blocks that recompute
+    recompute_core: bool = False
 
     def __init__(self, args: ModelConfig):
         super().__init__()
@@ -119,6 +125,16 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, t, -1, self.hd).transpose(1, 2)
         k = self.wk(x).view(b, t, -1, self.hd).transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.hd).transpose(1, 2)
+        if self.recompute_core and self.training:
+            # the core keeps nothing for the backward but q, k, v: it runs again there, its dropout
+            # masks redrawn from the same generator state (checkpoint's preserve_rng_state)
+            y = checkpoint(self._core, q, k, v, rope, use_reentrant=False)
+        else:
+            y = self._core(q, k, v, rope)
+        return F.dropout(self.wo(y.transpose(1, 2).reshape(b, t, -1)), self.dropout if self.training else 0.0)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope) -> torch.Tensor:
+        """RoPE and attention of the heads: (b, heads, s, d) out."""
         if self.rope and rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         # dropout draws from the default generator: every rank of a TP group has the same seed and
@@ -137,7 +153,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         else:
             y = self._decomposed(q, k, v, p)
-        return F.dropout(self.wo(y.transpose(1, 2).reshape(b, t, -1)), p)
+        return y
 
     def _decomposed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
         """matmul + softmax + matmul: the decomposition for chips without a fused kernel. Under
@@ -159,14 +175,18 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, args: ModelConfig):
         super().__init__()
-        self.swiglu = args.mlp == "swiglu"
+        self.swiglu, self.lean = args.mlp == "swiglu", args.lean_ops
         self.w1 = nn.Linear(args.d_model, args.d_ff, bias=False)
         self.w2 = nn.Linear(args.d_ff, args.d_model, bias=False)
         self.w3 = nn.Linear(args.d_model, args.d_ff, bias=False) if self.swiglu else None
         self.dropout = args.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.w1(x)) * self.w3(x) if self.swiglu else F.gelu(self.w1(x), approximate="tanh")
+        if self.swiglu:  # keeps w1's and w3's outputs only, eagerly (trainers/lean_ops.py)
+            a, b = self.w1(x), self.w3(x)
+            h = lean_ops.swiglu(a, b) if lean_ops.lean(self.lean) else F.silu(a) * b
+        else:
+            h = F.gelu(self.w1(x), approximate="tanh")
         return F.dropout(self.w2(h), self.dropout if self.training else 0.0)
 
 
@@ -235,8 +255,16 @@ class GPT(nn.Module):
             if self.pos_emb is not None:
                 x = x + self.pos_emb(torch.arange(t, device=x.device))
         rope = (self.rope_cos, self.rope_sin) if self.args.pos_emb == "rope" else None
-        for layer in self.layers.values():
-            if self.args.activation_checkpointing and self.training:
+        a = self.args
+        for i, layer in enumerate(self.layers.values()):
+            # the first recompute_layers blocks of this stage chunk recompute (all with -1)
+            recompute = (
+                a.activation_checkpointing and self.training and (a.recompute_layers < 0 or i < a.recompute_layers)
+            )
+            selective = recompute and a.recompute_granularity == "selective"
+            if layer.attn.recompute_core != selective:
+                layer.attn.recompute_core = selective
+            if recompute and not selective:
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
                 x = layer(x, rope)

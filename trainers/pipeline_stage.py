@@ -6,9 +6,10 @@ every backward of a step (``backward_maybe_with_nosync``, ``pipelining/stage.py`
 after the last (its REDUCE_GRAD action): each rank then holds its stage's whole, unsharded
 gradients through the step and every unit stays gathered after its backward. That is ``zero1``'s
 trade (gather and reduce once a step). ZeRO-3 keeps only shards: here the stage leaves FSDP2's
-defaults on, so each unit reduce-scatters into its sharded gradient (FSDP2 accumulates them) and
-reshards after every backward; the step's REDUCE_GRAD then finds nothing left to reduce and waits
-for the pending reductions.
+defaults on, so each unit reduce-scatters into its sharded gradient (FSDP2 accumulates them),
+reshards after every backward, and the backward waits for its reductions (with the base's
+``set_is_last_backward(False)`` their whole-gradient inputs stayed in flight into the next
+micro-batch: measured on dp2pp2's last stage); the step's REDUCE_GRAD then finds nothing left.
 """
 
 from __future__ import annotations
@@ -31,13 +32,17 @@ def stage_class(wrapping: str, schedule: str) -> Any:
 
         def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
             module = self.submod
-            # the base class switches both off before the backward; keep FSDP2's defaults (on)
+            # the base class switches these off before the backward; keep FSDP2's defaults (on):
+            # reduce-scatter, reshard, and wait for the reductions at the backward's end, which
+            # frees their whole-gradient inputs before the next micro-batch
             module.set_requires_gradient_sync = _keep
             module.set_reshard_after_backward = _keep
+            module.set_is_last_backward = _keep
             try:
                 return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
             finally:
                 del module.set_requires_gradient_sync, module.set_reshard_after_backward
+                del module.set_is_last_backward
 
     return ShardedGradStage
 

@@ -8,8 +8,9 @@ and ``orchestrator/validate.py`` reason about exactly this. A change here change
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 
 @dataclass(frozen=True)
@@ -125,15 +126,17 @@ def stage_ids(pp: int, schedule: str, virtual_stages: int, pp_rank: int) -> List
     return [pp_rank + k * pp for k in range(stages_per_rank(pp, schedule, virtual_stages))]
 
 
-def layer_split(n_layers: int, n_stages: int) -> List[range]:
-    """Contiguous blocks per stage, the remainder going to the earliest stages."""
+@functools.lru_cache(maxsize=4096)
+def layer_split(n_layers: int, n_stages: int) -> Tuple[range, ...]:
+    """Contiguous blocks per stage, the remainder going to the earliest stages (cached: the
+    planner's search asks it for every point and rank)."""
     base, extra = divmod(n_layers, n_stages)
     out, start = [], 0
     for s in range(n_stages):
         size = base + (1 if s < extra else 0)
         out.append(range(start, start + size))
         start += size
-    return out
+    return tuple(out)
 
 
 @dataclass(frozen=True)

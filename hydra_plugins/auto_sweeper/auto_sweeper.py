@@ -16,6 +16,7 @@ class AutoSpaceConf:
 
     schedules: Optional[List[str]] = None  # gpipe, 1f1b, interleaved_1f1b, zbv
     activation_checkpointing: Optional[List[bool]] = None
+    recompute_granularity: Optional[List[str]] = None  # full, selective (with checkpointing on)
     dp_shard: Optional[List[str]] = None  # ddp, zero1, fsdp (trainers.rules.DP_MODES)
     sequence_parallel: Optional[List[bool]] = None
     max_pp: int = 0  # 0: every pipeline depth that divides the layers

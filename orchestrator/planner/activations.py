@@ -35,14 +35,11 @@ the vocabulary, not saved tensors but on top of them at the step's peak; counted
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.planner.shapes import (
-    BYTES,
-    ModelShape,
-    ParallelShape,
-)
+from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, recomputed_layers
 
 
 @dataclass(frozen=True)
@@ -90,12 +87,17 @@ class ActBytes:
 
 
 def _norm_bytes(m: ModelShape, tokens: float, ab: ActBytes) -> float:
-    """One norm: LayerNorm saves its input (cast to the norm dtype) and fp32 mean and rstd;
-    the RMSNorm of trainers/model.py its input, ``x * rsqrt(...)`` and the rsqrt; plus the
-    weight's (and bias's) cast where the norm dtype is not the parameter dtype."""
+    """One norm: LayerNorm saves its input (cast to the norm dtype) and fp32 mean and rstd, plus
+    the weight's and bias's cast where the norm dtype is not the parameter dtype; the lean
+    RMSNorm of ``trainers/lean_ops.py`` its input as it came (the residual dtype) and the rsqrt
+    in the norm dtype (the decomposition it replaced kept the input cast, ``x * rsqrt(...)``
+    and the weight's cast too)."""
     n = ab.norm
-    saved = tokens * m.d * n + 2 * tokens * 4 if m.layernorm else 2 * tokens * m.d * n + tokens * n
-    return saved + (m.norm_params * n if ab.param != n else 0)
+    if m.layernorm:
+        return tokens * m.d * n + 2 * tokens * 4 + (m.norm_params * n if ab.param != n else 0)
+    if m.lean:
+        return tokens * m.d * ab.residual + tokens * n
+    return 2 * tokens * m.d * n + tokens * n + (m.norm_params * n if ab.param != n else 0)
 
 
 def layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes) -> float:
@@ -112,7 +114,8 @@ def layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, a
     wo; the MLP's d_ff-wide tensors (2 for GELU, 4 for SwiGLU); with dropout > 0 the masks of the
     two residual branches (and of the probabilities, decomposed) and the dropped probabilities; RoPE's
     cos/sin tables cast to a 16-bit compute dtype (``ActBytes.fused_out_copy``: whether wo reads a
-    copy of the fused kernel's output). Everything inside attention and the MLP is 1/t."""
+    copy of the fused kernel's output). Everything inside attention and the MLP is 1/t. RMSNorm
+    and SwiGLU are ``trainers/lean_ops.py``'s."""
     T = seq * b
     u = tp if sp else 1
     lin, hd = ab.linear, m.d // m.heads
@@ -136,9 +139,34 @@ def layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, a
             out += e * lin  # the probabilities' compute-dtype copy
     if not m.learned_pos and lin != 4:
         out += 2 * seq * hd * lin  # cos and sin cast, for q and for k
-    out += (4 if m.swiglu else 2) * T * m.d_ff / tp * lin
+    # GELU: its input and output; the lean SwiGLU: w1's and w3's outputs and their product
+    out += (2 if not m.swiglu else 3 if m.lean else 4) * T * m.d_ff / tp * lin
     if drop:
         out += 2 * T / u * m.d * ab.mask  # the residual branches' masks
+    return out
+
+
+def core_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes) -> float:
+    """Of :func:`layer_activation_bytes`, what the attention core saves beyond its inputs q, k
+    and v: what selective recomputation (``model.recompute_granularity=selective``, the core
+    under ``torch.utils.checkpoint``) does not keep. The fused kernel's log-sum-exp, and its
+    output where wo reads a copy of it (else the output is wo's saved input); the decomposed
+    path's probabilities, causal mask and their dropout mask and dropped copy, or compute-dtype
+    copy; RoPE's cast tables. Measured: ``tests/test_activation_bytes.py``, to the byte on the
+    knob cases."""
+    lin, hd, heads = ab.linear, m.d // m.heads, m.heads / tp
+    T = seq * b
+    if m.fused_attention:
+        out = b * heads * seq * 4 + (T * heads * hd * lin if ab.fused_out_copy else 0.0)
+    else:
+        e = b * heads * seq * seq
+        out = e * ab.softmax + seq * seq
+        if m.dropout > 0:
+            out += e * (ab.mask + lin)
+        elif ab.softmax != lin:
+            out += e * lin
+    if not m.learned_pos and lin != 4:
+        out += 2 * seq * hd * lin
     return out
 
 
@@ -260,23 +288,32 @@ def block_activation_bytes(m: ModelShape, s: ParallelShape, ab: ActBytes) -> flo
     """One block's activations per microbatch, by how the trial runs it: compiled with Inductor
     (:func:`fused_layer_activation_bytes`), else as eager mode keeps them (``aot_eager`` and
     TorchAir too: ``trainers.rules``)."""
-    count = fused_layer_activation_bytes if s.min_cut else layer_activation_bytes
-    return count(m, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, ab)
+    if s.min_cut:
+        return fused_layer_activation_bytes(m, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, ab)
+    # a compiled block traces the decomposition, not the lean functions (trainers/lean_ops.py)
+    block = dataclasses.replace(m, lean=m.lean and not s.compiled)
+    return layer_activation_bytes(block, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, ab)
 
 
 def rank_activation_bytes(m: ModelShape, s: ParallelShape, rc: Any, rank: int, ab: ActBytes) -> float:
     """Activation bytes pipeline rank ``rank`` (holding ``rc``) keeps at its peak: its in-flight
-    microbatches' blocks (inputs only under checkpointing, plus one block's full set while it
+    microbatches' blocks (a recomputing block keeps its input only, or under selective
+    recomputation all but its attention core, and one block's full set, or core, lives while it
     is recomputed), the embedding's ids, the head and loss (every microbatch's under GPipe, else
-    one), and autocast's weight copies once (one block's only under checkpointing without a
-    pipeline, where each forward's autocast context closes before its backward)."""
+    one), and autocast's weight copies once (one block's only where every block recomputes from
+    its input without a pipeline: each forward's autocast context closes before its backward)."""
     seq, b, tp, sp = s.seq_len, s.micro_batch, s.tp, s.sequence_parallel
     layers = len(rc.layers)
+    rec = recomputed_layers(m, s, rc)
     full = block_activation_bytes(m, s, ab)
-    kept = checkpointed_layer_bytes(m, seq, b, tp, sp, ab) if m.checkpointing else full
+    if m.selective:
+        core = core_activation_bytes(m, seq, b, tp, ab)
+        kept, transient = full - core, core
+    else:
+        kept, transient = checkpointed_layer_bytes(m, seq, b, tp, sp, ab), full
     k = inflight_microbatches(s, rank)
-    act = k * layers * kept + (full if m.checkpointing and layers else 0.0)
-    cast_layers = min(layers, 1) if m.checkpointing and s.pp == 1 else layers
+    act = k * ((layers - rec) * full + rec * kept) + (transient if rec else 0.0)
+    cast_layers = layers - rec + min(rec, 1) if m.full_recompute and s.pp == 1 else layers
     act += cast_layers * layer_weight_cast_bytes(m, tp, ab)
     if rc.embedding:
         act += k * embedding_activation_bytes(m, seq, b)

@@ -88,7 +88,12 @@ class FastPlanner:
         self.cfg = plain(base)
         self.devices_per_node = int(self.cfg.chip.devices_per_node)
         self.cfg.chip.emulate = True  # planned as emulated, as planning_errors plans it
-        self.models = {ck: ModelShape.of(dict(self.cfg.model, activation_checkpointing=ck)) for ck in (False, True)}
+        # one model shape for each recompute setting a point can set (checkpointing, granularity)
+        self.models = {
+            (ck, g): ModelShape.of(dict(self.cfg.model, activation_checkpointing=ck, recompute_granularity=g))
+            for ck in (False, True)
+            for g in ("full", "selective")
+        }
         pr, cm, ch, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
         self.pb, self.gb, _ = state_bytes(pr, pl)
         self.act_bytes = {ck: ActBytes.of(pr, mm, str(ch.device_type)) for ck, mm in self.models.items()}
@@ -138,7 +143,7 @@ class FastPlanner:
         return compose_memory_plan(
             m,
             s,
-            self.act_bytes[m.checkpointing],
+            self.act_bytes[(m.checkpointing, "selective" if m.selective else "full")],
             self.cfg.chip,
             self.cfg.planner,
             self.comm_bytes,
@@ -170,14 +175,14 @@ class FastPlanner:
     def plan(self, c: Candidate, with_step: bool = False) -> FastPlan:
         """Rules first (the search's, then the validator's), then memory; the step time only when
         asked (``with_step``) or later through :meth:`step`."""
-        lines = search_errors(c, self.models[False].layers)
+        lines = search_errors(c, self.models[(False, "full")].layers)
         if lines:
             return FastPlan(c, lines)
         cfg = self.point_config(c)
         lines = self.errors(cfg)
         if lines:
             return FastPlan(c, lines)
-        m = self.models[bool(c.activation_checkpointing)]
+        m = self.models[(bool(c.activation_checkpointing), c.recompute_granularity)]
         s = ParallelShape.of(cfg.parallel, cfg.trainer, Layout(c.dp, c.tp, c.pp), str(cfg.chip.device_type))
         out = FastPlan(c, [], s, m, self.memory(m, s))
         if with_step:

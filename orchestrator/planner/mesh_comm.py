@@ -20,7 +20,7 @@ cost, priced by :mod:`.step_time`). Counted on the trainer's own ranks by
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 from omegaconf import DictConfig
 
@@ -56,23 +56,30 @@ def tp_collectives(m: ModelShape, s: ParallelShape) -> Tuple[int, int]:
     if s.tp == 1:
         return 0, 0
     forward = 4 if s.sequence_parallel else 2
-    act = 2 * forward + (forward - 1 if m.checkpointing else 0)
+    act = 2 * forward + (forward - 1 if m.full_recompute else 0)
     return act, (2 * (2 if m.layernorm else 1) if s.sequence_parallel else 0)
 
 
+def tp_collectives_plain(s: ParallelShape) -> int:
+    """A block's activation collectives per micro-batch without recomputation."""
+    return 2 * (4 if s.sequence_parallel else 2)
+
+
 def mesh_comm(
-    m: ModelShape, s: ParallelShape, chip: DictConfig, layers: int, act_b: int
+    m: ModelShape, s: ParallelShape, chip: DictConfig, layers: int, act_b: int, recomputed: Optional[int] = None
 ) -> Tuple[float, int, float, int]:
-    """Seconds and calls, per step on a rank holding ``layers`` layers, of the tensor-parallel
-    collectives and of the pipeline's sends."""
+    """Seconds and calls, per step on a rank holding ``layers`` layers (``recomputed`` of them
+    recompute: all by default), of the tensor-parallel collectives and of the pipeline's sends."""
     msg = s.seq_len * s.micro_batch * m.d * act_b
     tp_s, tp_calls = 0.0, 0
     if s.tp > 1:
         act, norm = tp_collectives(m, s)
+        # a block that does not recompute repeats none of its forward's collectives
+        spared = (layers - (layers if recomputed is None else recomputed)) * (act - tp_collectives_plain(s))
         per_call = allreduce_bytes(msg, s.tp) / (2 if s.sequence_parallel else 1)
-        tp_bytes = act * per_call + norm * allreduce_bytes(m.d * 4, s.tp)
-        tp_calls = (act + norm) * layers * s.microbatches
-        tp_s = tp_bytes * layers * s.microbatches / link(chip, s.tp)
+        norm_bytes = norm * allreduce_bytes(m.d * 4, s.tp)
+        tp_calls = ((act + norm) * layers - spared) * s.microbatches
+        tp_s = ((act * layers - spared) * per_call + norm_bytes * layers) * s.microbatches / link(chip, s.tp)
     pp_s, pp_calls = 0.0, 0
     if s.pp > 1:
         pp_calls = 2 * s.microbatches * s.chunks_per_rank

@@ -50,6 +50,9 @@ class ModelShape:
     fused_attention: bool
     checkpointing: bool
     dropout: float = 0.0  # attention-probability and residual dropout (model.dropout)
+    selective: bool = False  # model.recompute_granularity=selective: the attention core only
+    recompute_layers: int = -1  # model.recompute_layers: the first N blocks of each stage chunk
+    lean: bool = True  # model.lean_ops: RMSNorm and SwiGLU keep what their backward needs
 
     @classmethod
     def of(cls, model: DictConfig | Dict[str, Any]) -> "ModelShape":
@@ -68,13 +71,21 @@ class ModelShape:
             fused_attention=model["attn_impl"] in ("fused", "npu_fused"),
             checkpointing=bool(model["activation_checkpointing"]),
             dropout=float(model["dropout"]),
+            selective=str(model.get("recompute_granularity", "full")) == "selective",
+            recompute_layers=int(model.get("recompute_layers", -1)),
+            lean=bool(model.get("lean_ops", True)),
         )
 
     @property
-    def recompute_factor(self) -> float:
-        """A layer's work per micro-batch over its forward and backward's: activation checkpointing
-        runs the forward once more, a third more (the backward is twice the forward)."""
-        return 4.0 / 3.0 if self.checkpointing else 1.0
+    def full_recompute(self) -> bool:
+        return self.checkpointing and not self.selective
+
+    def recomputed(self, layers: int) -> int:
+        """Blocks of a stage chunk of ``layers`` that recompute (the trainer's rule,
+        ``trainers/model.py GPT.forward``: the first ``recompute_layers``, or all)."""
+        if not self.checkpointing:
+            return 0
+        return layers if self.recompute_layers < 0 else min(self.recompute_layers, layers)
 
     @property
     def layer_matrices(self) -> List[Tuple[int, int]]:
@@ -210,6 +221,43 @@ class ParallelShape:
         """(dp_rank, pp_rank, tp_rank) of a global rank: the trainer's mesh is (dp, pp, tp), tp
         innermost (trainers/parallel.py build_mesh)."""
         return rank // (self.tp * self.pp), (rank // self.tp) % self.pp, rank % self.tp
+
+
+def chunk_layers(m: ModelShape, s: "ParallelShape", rc: rules.RankStages) -> List[int]:
+    """The layers of each stage chunk pipeline rank contents ``rc`` hold (the trainer's split)."""
+    split = rules.layer_split(m.layers, s.pp * s.chunks_per_rank)
+    return [len(split[sid]) for sid in rc.stages]
+
+
+def recomputed_layers(m: ModelShape, s: "ParallelShape", rc: rules.RankStages) -> int:
+    """Blocks of pipeline rank contents ``rc`` that recompute (full or selective)."""
+    return sum(m.recomputed(n) for n in chunk_layers(m, s, rc))
+
+
+def full_recompute_share(m: ModelShape, s: "ParallelShape") -> float:
+    """The share of the model's blocks that recompute from their input (full granularity)."""
+    if not m.full_recompute:
+        return 0.0
+    split = rules.layer_split(m.layers, s.pp * s.chunks_per_rank)
+    return sum(m.recomputed(len(chunk)) for chunk in split) / max(1, m.layers)
+
+
+def work_factor(m: ModelShape, s: "ParallelShape") -> float:
+    """A layer's work per micro-batch over its forward and backward's: full recomputation runs
+    a block's forward once more, a third more (the backward is twice the forward), on the share of
+    blocks that recompute; selective recomputation's attention core is :func:`core_flops`."""
+    return 1.0 + full_recompute_share(m, s) / 3.0
+
+
+def core_flops(m: ModelShape, s: "ParallelShape") -> float:
+    """FLOPs selective recomputation adds per step: the attention core's forward (q k^T and the
+    product with v, 4 s d a token and layer, PaLM's count) again, on the blocks that recompute."""
+    if not (m.checkpointing and m.selective):
+        return 0.0
+    split = rules.layer_split(m.layers, s.pp * s.chunks_per_rank)
+    layers = sum(m.recomputed(len(chunk)) for chunk in split)
+    tokens = s.dp * s.microbatches * s.micro_batch * s.seq_len
+    return 4.0 * layers * m.d * s.seq_len * tokens
 
 
 RankContents = rules.RankStages  # what one pipeline rank holds: stages, layers, the model's ends

@@ -3,7 +3,8 @@
 A point (:class:`Candidate`) is a DP/TP/PP layout (:func:`orchestrator.planner.search.layouts`)
 with its batch arithmetic and memory knobs: ``trainer.micro_batch`` (without a pipeline, a
 divisor of the replica's batch) or ``parallel.microbatches`` (with one, a divisor of it), the
-pipeline schedule and its stages per rank, ``model.activation_checkpointing``,
+pipeline schedule and its stages per rank, ``model.activation_checkpointing`` with its
+``model.recompute_granularity`` (full, or selective: the attention core),
 ``parallel.dp_shard`` (each data-parallel mode, :data:`trainers.rules.DP_MODES`) and
 ``parallel.sequence_parallel``. Values that change nothing the trainer does are not separate
 points: ``dp_shard`` is ``ddp`` with one replica; sequence
@@ -52,6 +53,7 @@ class Candidate:
     activation_checkpointing: bool
     dp_shard: str
     sequence_parallel: bool
+    recompute_granularity: str = "full"  # what checkpointing recomputes (read only with it on)
 
     @property
     def layout(self) -> str:
@@ -63,7 +65,9 @@ class Candidate:
         if self.pp > 1:
             parts.append(f"m{self.microbatches}")
             parts.append(self.schedule + (f"(v={self.virtual_stages})" if self.schedule == "interleaved_1f1b" else ""))
-        parts += ["ckpt"] * self.activation_checkpointing + [self.dp_shard] * (self.dp_shard != "ddp" and self.dp > 1)
+        if self.activation_checkpointing:
+            parts.append("sel" if self.recompute_granularity == "selective" else "ckpt")
+        parts += [self.dp_shard] * (self.dp_shard != "ddp" and self.dp > 1)
         return "+".join(parts) + ("+sp" if self.sequence_parallel else "")
 
     def values(self, devices: int, devices_per_node: int) -> Dict[str, Any]:
@@ -79,6 +83,7 @@ class Candidate:
             "parallel.sequence_parallel": self.sequence_parallel,
             "trainer.micro_batch": self.micro_batch,
             "model.activation_checkpointing": self.activation_checkpointing,
+            "model.recompute_granularity": self.recompute_granularity,
             "launch.world_size": devices,
             "launch.nnodes": -(-devices // max(1, devices_per_node)),
         }
@@ -97,6 +102,7 @@ class Space:
 
     schedules: Tuple[str, ...] = SCHEDULES
     activation_checkpointing: Tuple[bool, ...] = (False, True)
+    recompute_granularity: Tuple[str, ...] = ("full", "selective")  # with checkpointing on
     dp_shard: Tuple[str, ...] = rules.DP_MODES
     sequence_parallel: Tuple[bool, ...] = (False, True)
     max_pp: int = 0  # 0: every pipeline depth that divides the layers
@@ -135,11 +141,13 @@ def candidates(
         batches = batches[:1]
     shards = list(space.dp_shard) if dp > 1 else ["ddp"]  # one replica: no wrapping
     sps = list(space.sequence_parallel) if tp > 1 else [False]
+    recomputes = [(False, "full")] * (False in space.activation_checkpointing)
+    recomputes += [(True, g) for g in space.recompute_granularity] if True in space.activation_checkpointing else []
     for mb, m, sched, v in batches:
-        for ckpt in space.activation_checkpointing:
+        for ckpt, granularity in recomputes:
             for shard in shards:
                 for sp in sps:
-                    yield Candidate(dp, tp, pp, mb, m, sched, v, ckpt, shard, sp)
+                    yield Candidate(dp, tp, pp, mb, m, sched, v, ckpt, shard, sp, granularity)
 
 
 def search_errors(c: Candidate, n_layers: int) -> List[str]:

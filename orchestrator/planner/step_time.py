@@ -85,7 +85,17 @@ from orchestrator.planner import traffic
 from orchestrator.planner.cpu_host import cpu_share, group_wait, lockstep
 from orchestrator.planner.dp_comm import dp_calls, dp_traffic_bytes, dp_windows, fsdp_host_s, gather_share
 from orchestrator.planner.mesh_comm import dp_link, mesh_comm
-from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, rank_contents, rank_params
+from orchestrator.planner.shapes import (
+    BYTES,
+    ModelShape,
+    ParallelShape,
+    core_flops,
+    full_recompute_share,
+    rank_contents,
+    rank_params,
+    recomputed_layers,
+    work_factor,
+)
 from trainers import rules
 
 
@@ -134,7 +144,7 @@ def hops(calls: int, group: int) -> float:
 
 def layer_passes(layers: int, s: ParallelShape, m: ModelShape) -> float:
     """Layer forward+backward dispatches per step on the busiest rank (a recomputed forward is a third more)."""
-    return layers * s.microbatches * m.recompute_factor
+    return layers * s.microbatches * work_factor(m, s)
 
 
 def stage_passes(s: ParallelShape) -> int:
@@ -226,13 +236,18 @@ def step_parts(
     params = params or (lambda rc, rank: rank_params(m, s, rc))
     peak_all = _peak_flops(precision, chip, s)
     flops = model_flops(m, s)
-    hw = flops * m.recompute_factor
+    share = full_recompute_share(m, s)
+    hw = flops * work_factor(m, s) + core_flops(m, s)
     compute = hw / peak_all
-    backward = compute * (0.75 if m.checkpointing else 2.0 / 3.0)
+    # the backward is twice the forward, and holds the recomputed forward: (2 + r) / (3 + r)
+    backward = compute * (2.0 + share) / (3.0 + share)
     ranks = [contents(r) for r in range(s.pp)]
     layers = max(len(rc.layers) for rc in ranks)
     memory = traffic.memory_seconds(m, s, precision, chip, planner)
-    tp_s, tp_calls, pp_s, pp_calls = mesh_comm(m, s, chip, layers, BYTES[precision.compute_dtype])
+    busiest = max(ranks, key=lambda rc: len(rc.layers))
+    tp_s, tp_calls, pp_s, pp_calls = mesh_comm(
+        m, s, chip, layers, BYTES[precision.compute_dtype], recomputed_layers(m, s, busiest)
+    )
     n = max(params(rc, r) for r, rc in enumerate(ranks))
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / dp_link(chip, s)
     n_dp = dp_calls(m, s, n, layers, precision, comm, planner)

@@ -14,8 +14,8 @@ in units of "passes" (one read or one write of a whole tensor), forward and back
 - eager (each operator its own kernel: ``trainer.compile=false``, or a backend that runs the
   captured graph's operators one by one, ``aot_eager``, the NPU's ``auto``): the trainer's operators as
   they dispatch (``trainers/model.py``): residual adds 3 passes forward and their gradient sums 3
-  backward; LayerNorm 2 + 3, the module's RMSNorm (seven elementwise products and a mean) 31;
-  GELU 2 + 3 of the d_ff-wide tensor, SwiGLU 14; RoPE 26.5 of each rotated tensor (slices,
+  backward; LayerNorm 2 + 3, the lean RMSNorm (``trainers/lean_ops.py``) 22;
+  GELU 2 + 3 of the d_ff-wide tensor, the lean SwiGLU 5 + 13; RoPE 26.5 of each rotated tensor (slices,
   products, a stack and their gradients); the sums of the gradients of a tensor several linears
   read; autocast's casts (the norm's input and output when its dtype is not the residual's, each
   linear's input when the residual is wider than the compute dtype, and the weights' copies);
@@ -44,15 +44,23 @@ runs the forward twice (a forward is about a third of a layer's passes).
 
 from __future__ import annotations
 
+import dataclasses
+
 from omegaconf import DictConfig
 
 from orchestrator.planner.activations import ActBytes
-from orchestrator.planner.shapes import ModelShape, ParallelShape
+from orchestrator.planner.shapes import ModelShape, ParallelShape, work_factor
 
-RMSNORM_PASSES = 31.0  # trainers/model.py RMSNorm: pow, mean, add, rsqrt, two products, and their gradients
+# trainers/lean_ops.py RMSNorm: pow, mean, rsqrt, two products; its backward's products, mean and
+# sums (measured in a block by tests/test_memory_traffic.py's dispatch count: about 22); the
+# decomposition (model.lean_ops=false, and compiled blocks run eagerly): seven elementwise
+# products and a mean and their gradients, 31
+RMSNORM_PASSES, RMSNORM_DECOMPOSED_PASSES = 22.0, 31.0
 LAYERNORM_PASSES = 5.0  # native_layer_norm: read x, write y; backward read dy and x, write dx
 ROPE_PASSES = 26.5  # apply_rope: four half-width products, a sum, a difference, a stack; gradients
-GELU_PASSES, SWIGLU_PASSES = 5.0, 14.0  # of one d_ff-wide tensor, forward and backward
+# of one d_ff-wide tensor, forward and backward (the lean SwiGLU recomputes silu: 5 + 13; the
+# decomposition 14)
+GELU_PASSES, SWIGLU_PASSES, SWIGLU_DECOMPOSED_PASSES = 5.0, 18.0, 14.0
 SOFTMAX_PASSES = 13.0  # decomposed: scale 2+2, masked_fill 2+2, softmax 2+3, of the scores
 ATTN_BMM_SCORE_PASSES = 6.0  # the batched matmuls' score-sized operands: forward 2, backward 4
 
@@ -79,14 +87,15 @@ def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu
     readers = 3 + (2 if m.swiglu else 1)  # linears reading a norm's output: q, k, v; w1 (and w3)
     out = 12.0 * tdu * r  # two residual adds and the two gradient sums of the residual stream
     out += (readers - 2) * 3.0 * td * r  # the gradients of a norm's output summed over its readers
-    out += 2 * (LAYERNORM_PASSES if m.layernorm else RMSNORM_PASSES) * tdu * nb
+    rms = RMSNORM_PASSES if m.lean else RMSNORM_DECOMPOSED_PASSES
+    out += 2 * (LAYERNORM_PASSES if m.layernorm else rms) * tdu * nb
     if nb != r:  # in_dtype: the norm's input cast to its dtype and its output back, each way
         out += 2 * 4.0 * tdu * (r + nb)
     if r != lin:  # autocast: each linear casts its input, and its gradient back
         out += readers * 2.0 * td * (r + lin)
     if ab.weight_casts:  # autocast's copies of the block's fp32 matrices and their gradients' casts
         out += 2.0 * m.layer_sharded / tp * (ab.param + lin)
-    out += (SWIGLU_PASSES if m.swiglu else GELU_PASSES) * T * f * lin
+    out += ((SWIGLU_PASSES if m.lean else SWIGLU_DECOMPOSED_PASSES) if m.swiglu else GELU_PASSES) * T * f * lin
     if not m.learned_pos:
         out += ROPE_PASSES * T * (q_w + kv_w) * lin
     drop = _dropout_passes(ab, cpu) if m.dropout > 0 else 0.0
@@ -148,7 +157,10 @@ def head_traffic_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes, f
     logits = T * -(-m.vocab // tp)
     if fused:
         return 2.0 * logits * ab.linear + td * (3 * ab.residual + 3 * ab.linear)
-    out = (LAYERNORM_PASSES if m.layernorm else RMSNORM_PASSES) * td * ab.norm
+    # the lean RMSNorm's input gradient is written whole here, where a block's is summed into the
+    # residual stream's (counted there): 4 passes more (measured: 4.1 fp32, 5.7 bf16)
+    rms = RMSNORM_PASSES + 4.0 if m.lean else RMSNORM_DECOMPOSED_PASSES
+    out = (LAYERNORM_PASSES if m.layernorm else rms) * td * ab.norm
     out += 4.0 * td * (ab.residual + ab.norm) if ab.norm != ab.residual else 0.0
     out += 2.0 * td * (ab.residual + ab.linear) if ab.residual != ab.linear else 0.0
     out += 2.0 * m.vocab / tp * m.d * (ab.param + ab.linear) if ab.weight_casts else 0.0
@@ -166,6 +178,8 @@ def memory_seconds(
         return 0.0
     ab = ActBytes.of(precision, m, chip.device_type)
     args = (m, s.seq_len, s.micro_batch, s.tp)
-    layer = layer_traffic_bytes(*args, s.sequence_parallel, ab, s.fused, chip.device_type == "cpu")
-    per_mb = m.layers * layer * m.recompute_factor + head_traffic_bytes(*args, ab, s.fused)
+    # a compiled block traces the decomposition, not the lean functions (trainers/lean_ops.py)
+    block = dataclasses.replace(m, lean=m.lean and not s.compiled)
+    layer = layer_traffic_bytes(block, *args[1:], s.sequence_parallel, ab, s.fused, chip.device_type == "cpu")
+    per_mb = m.layers * layer * work_factor(m, s) + head_traffic_bytes(*args, ab, s.fused)
     return per_mb * s.microbatches / s.pp / (gbps * 1e9 * float(planner.memory_efficiency))
