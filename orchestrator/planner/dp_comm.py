@@ -9,7 +9,7 @@ trainer's own ranks by ``tests/test_dp_collectives.py``; :mod:`.step_time` price
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Any, Mapping, Tuple
 
 from omegaconf import DictConfig
 
@@ -133,3 +133,13 @@ def dp_calls(
         units = layers + s.chunks_per_rank if overlap else s.chunks_per_rank
         return units * (fsdp_gathers(s, overlap) + fsdp_reduces(s))
     return math.ceil(n_params * state_bytes(precision, planner)[1] / (float(comm.bucket_mb) * MiB))
+
+
+def hidden(c: Mapping[str, Any], dp, ec, ops: Any):
+    """Of ``dp`` seconds of data-parallel collectives (floats, or a calibration's arrays), those
+    hidden behind the compute: the gathers' share behind their window, the reductions' behind
+    theirs, each at most the ``overlap`` fraction of itself (:func:`dp_windows`); ``c`` is a
+    step's parts by name (``step_time.model``)."""
+    g = c["dp_gather_share"]
+    gathers = ops.minimum(c["overlap"] * dp * g, c["gather_window_s"] / ec)
+    return gathers + ops.minimum(c["overlap"] * dp * (1.0 - g), c["reduce_window_s"] / ec)

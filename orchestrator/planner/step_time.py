@@ -81,21 +81,11 @@ from typing import Any, Callable, Dict, Mapping, Optional
 
 from omegaconf import DictConfig
 
-from orchestrator.planner import traffic
+from orchestrator.planner import shapes, traffic
 from orchestrator.planner.cpu_host import cpu_share, group_wait, lockstep
-from orchestrator.planner.dp_comm import dp_calls, dp_traffic_bytes, dp_windows, fsdp_host_s, gather_share
+from orchestrator.planner.dp_comm import dp_calls, dp_traffic_bytes, dp_windows, fsdp_host_s, gather_share, hidden
 from orchestrator.planner.mesh_comm import dp_link, mesh_comm
-from orchestrator.planner.shapes import (
-    BYTES,
-    ModelShape,
-    ParallelShape,
-    core_flops,
-    full_recompute_share,
-    rank_contents,
-    rank_params,
-    recomputed_layers,
-    work_factor,
-)
+from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, rank_contents, rank_params
 from trainers import rules
 
 
@@ -144,7 +134,7 @@ def hops(calls: int, group: int) -> float:
 
 def layer_passes(layers: int, s: ParallelShape, m: ModelShape) -> float:
     """Layer forward+backward dispatches per step on the busiest rank (a recomputed forward is a third more)."""
-    return layers * s.microbatches * work_factor(m, s)
+    return layers * s.microbatches * shapes.work_factor(m, s)
 
 
 def stage_passes(s: ParallelShape) -> int:
@@ -236,8 +226,8 @@ def step_parts(
     params = params or (lambda rc, rank: rank_params(m, s, rc))
     peak_all = _peak_flops(precision, chip, s)
     flops = model_flops(m, s)
-    share = full_recompute_share(m, s)
-    hw = flops * work_factor(m, s) + core_flops(m, s)
+    share = shapes.full_recompute_share(m, s)
+    hw = flops * shapes.work_factor(m, s) + shapes.core_flops(m, s)
     compute = hw / peak_all
     # the backward is twice the forward, and holds the recomputed forward: (2 + r) / (3 + r)
     backward = compute * (2.0 + share) / (3.0 + share)
@@ -246,7 +236,7 @@ def step_parts(
     memory = traffic.memory_seconds(m, s, precision, chip, planner)
     busiest = max(ranks, key=lambda rc: len(rc.layers))
     tp_s, tp_calls, pp_s, pp_calls = mesh_comm(
-        m, s, chip, layers, BYTES[precision.compute_dtype], recomputed_layers(m, s, busiest)
+        m, s, chip, layers, BYTES[precision.compute_dtype], shapes.recomputed_layers(m, s, busiest)
     )
     n = max(params(rc, r) for r, rc in enumerate(ranks))
     dp_s = dp_traffic_bytes(m, s, n, precision, comm, planner) / dp_link(chip, s)
@@ -310,15 +300,6 @@ class _Scalars:
         return a if cond else b
 
 
-def _hidden(c: Mapping[str, Any], dp, ec, ops: Any):
-    """Of ``dp`` seconds of data-parallel collectives, those hidden behind the compute: the
-    gathers' share behind their window, the reductions' behind theirs, each at most the
-    ``overlap`` fraction of itself (:func:`dp_comm.dp_windows`)."""
-    g = c["dp_gather_share"]
-    gathers = ops.minimum(c["overlap"] * dp * g, c["gather_window_s"] / ec)
-    return gathers + ops.minimum(c["overlap"] * dp * (1.0 - g), c["reduce_window_s"] / ec)
-
-
 def model(c: Mapping[str, Any], ec, en, lat, layer, stage, hop, tp_layer, ops: Any = _Scalars) -> Dict[str, Any]:
     """The step-time model over one trial's :class:`StepParts` fields ``c`` (``vars(parts)``) or
     over arrays of many trials' (``ops=numpy``, what the calibration fits with): the step's
@@ -332,11 +313,11 @@ def model(c: Mapping[str, Any], ec, en, lat, layer, stage, hop, tp_layer, ops: A
     stretch = 1.0 / (1.0 - c["bubble"])
     tp, pp, dp = (c[k + "_comm_s"] / en + c[k + "_calls"] * lat + c[k + "_hops"] * hop for k in ("tp", "pp", "dp"))
     waited = dp * c["dp_wait"]
-    exposed = waited - _hidden(c, waited, ec, ops)
+    exposed = waited - hidden(c, waited, ec, ops)
     critical = busy * stretch + tp * c["tp_wait"] + pp * c["pp_wait"] + exposed
     # the host's cores: every worker's busy time, and the waits of a collective every worker of
     # the node is in (no one is left to run while it waits)
-    lockstep = tp * c["tp_lockstep"] + (dp - _hidden(c, dp, ec, ops)) * c["dp_lockstep"]
+    lockstep = tp * c["tp_lockstep"] + (dp - hidden(c, dp, ec, ops)) * c["dp_lockstep"]
     throughput = u * busy + lockstep
     step = ops.maximum(critical, throughput)
     return {
