@@ -19,7 +19,7 @@ gradient readiness) cannot hand one tensor's residual to another.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -203,18 +203,24 @@ def load_state_dict(state: Any, saved: Optional[Dict[str, Any]], device: Any) ->
     state.load_state_dict(saved, device)
 
 
-def buckets(params: Iterable[torch.nn.Parameter], bucket_mb: float) -> List[List[torch.nn.Parameter]]:
-    """Parameters with gradients in DDP's order (reverse of registration, roughly the order the
-    backward produces them), cut into buckets of at most ``bucket_mb`` MiB of one dtype each; a
-    tensor larger than that is a bucket of its own."""
+def buckets(
+    params: Iterable[torch.nn.Parameter],
+    bucket_mb: float,
+    tensor: Callable[[torch.nn.Parameter], Optional[torch.Tensor]] = lambda p: p.grad,
+) -> List[List[torch.nn.Parameter]]:
+    """Parameters in DDP's order (reverse of registration, roughly the order the backward
+    produces their gradients), cut into buckets of at most ``bucket_mb`` MiB of one dtype each by
+    the size of ``tensor(p)`` (the gradient; those without one left out); a tensor larger than
+    that is a bucket of its own."""
     cap = bucket_mb * 2**20
     out: List[List[torch.nn.Parameter]] = []
-    size = 0.0
-    for p in reversed([p for p in params if p.grad is not None]):
-        nbytes = p.grad.numel() * p.grad.element_size()
-        if not out or size + nbytes > cap or out[-1][0].grad.dtype != p.grad.dtype:
+    size, dtype = 0.0, None
+    for p in reversed([p for p in params if tensor(p) is not None]):
+        t = tensor(p)
+        nbytes = t.numel() * t.element_size()
+        if not out or size + nbytes > cap or dtype != t.dtype:
             out.append([])
-            size = 0.0
+            size, dtype = 0.0, t.dtype
         out[-1].append(p)
         size += nbytes
     return out

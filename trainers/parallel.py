@@ -264,18 +264,24 @@ def keep_grads_sharded(model: nn.Module) -> None:
     dtype cast swaps a DTensor parameter's tensor and drops hooks attached before it."""
     from torch.distributed.tensor import DTensor
 
-    def reshard(param: torch.Tensor) -> None:
-        g = param.grad
-        if isinstance(g, DTensor) and tuple(g.placements) != tuple(param.placements):
-            param.grad = g.redistribute(param.device_mesh, param.placements)
-
     def attach(module: nn.Module, args) -> None:
         for param in module.parameters():
             if isinstance(param, DTensor) and not getattr(param, "_grad_kept_sharded", False):
-                param.register_post_accumulate_grad_hook(reshard)
+                param.register_post_accumulate_grad_hook(reshard_grad)
                 param._grad_kept_sharded = True
 
     model.register_forward_pre_hook(attach)
+
+
+def reshard_grad(param: torch.Tensor) -> None:
+    """Put a DTensor parameter's gradient in the parameter's own placement (a replicated
+    embedding gradient of a vocabulary-sharded parameter becomes its local slice): the local
+    gradient then has the parameter's local shape. A no-op where it already has."""
+    from torch.distributed.tensor import DTensor
+
+    g = param.grad
+    if isinstance(g, DTensor) and tuple(g.placements) != tuple(param.placements):
+        param.grad = g.redistribute(param.device_mesh, param.placements)
 
 
 def apply_fsdp(model: GPT, dp_mesh, reshard_after_forward: bool = True) -> nn.Module:

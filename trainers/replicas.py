@@ -22,26 +22,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from trainers.comm import CommStats, GradSyncStats
+from trainers.comm import CommStats, GradSyncStats, buckets
+from trainers.parallel import local, reshard_grad
 
 WIRE = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def reshard_grad(param: torch.Tensor) -> None:
-    """Put a DTensor parameter's gradient in the parameter's own placement (a replicated
-    embedding gradient of a vocabulary-sharded parameter becomes its local slice; Partial sums
-    are reduced over TP): the local gradient then has the parameter's local shape."""
-    from torch.distributed.tensor import DTensor
-
-    g = param.grad
-    if isinstance(g, DTensor) and tuple(g.placements) != tuple(param.placements):
-        param.grad = g.redistribute(param.device_mesh, param.placements)
 
 
 class ReplicaReducer:
@@ -62,7 +46,8 @@ class ReplicaReducer:
         self.world = dist.get_world_size(group)
         self.wire_dtype = WIRE[compression]
         self.stats: Optional[CommStats] = CommStats() if self.wire_dtype is not None else None
-        self.buckets = _buckets(params, bucket_mb)
+        # by the parameters' local shards, whose sizes the gradients' take once resharded
+        self.buckets = buckets(params, bucket_mb, tensor=local)
         self.bucket_of: Dict[int, int] = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self.armed = False
         self.left: List[int] = []
@@ -89,7 +74,7 @@ class ReplicaReducer:
         bucket = self.buckets[i]
         for p in bucket:
             reshard_grad(p)
-        grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in bucket]
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket]
         flat = torch.cat([g.reshape(-1) for g in grads])
         # a 16-bit wire carries each rank's share (divided first, as DDP's cast hook does), so the
         # sum stays in range; a dense one is averaged after it
@@ -123,25 +108,8 @@ class ReplicaReducer:
             for p in self.buckets[i]:
                 if p.grad is None:  # a parameter the step did not reach gets its replicas' mean too
                     p.grad = torch.zeros_like(p)
-                g = _local(p.grad)
+                g = local(p.grad)
                 n = g.numel()
                 g.copy_(wire[offset : offset + n].view_as(g))
                 offset += n
         self.armed, self.pending = False, {}
-
-
-def _buckets(params: List[torch.nn.Parameter], bucket_mb: float) -> List[List[torch.nn.Parameter]]:
-    """Buckets of at most ``bucket_mb`` MiB of one dtype each, by the parameters' local sizes, in
-    reverse registration order; a tensor larger than that is a bucket of its own."""
-    cap = bucket_mb * 2**20
-    out: List[List[torch.nn.Parameter]] = []
-    size = 0.0
-    for p in reversed(params):
-        local = _local(p)
-        nbytes = local.numel() * local.element_size()
-        if not out or size + nbytes > cap or out[-1][0].dtype != p.dtype:
-            out.append([])
-            size = 0.0
-        out[-1].append(p)
-        size += nbytes
-    return out

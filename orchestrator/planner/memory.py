@@ -168,20 +168,20 @@ def dp_buffer_bytes(
         whole_grads = not comm.overlap or (not zero3 and (s.microbatches > 1 or s.pp > 1))
         # whole gradients stand in for the sharded ones the state counts (those exist only after
         # the last reduce-scatter, when the whole ones are freed)
-        sharded = sum(local_numel(t, s) for t in rank_tensors(m, rc))
-        grads = n - sharded if whole_grads else block
+        grads = n - sum(local_numel(t, s) for t in rank_tensors(m, rc)) if whole_grads else block
+        root = n - len(rc.layers) * block  # the stage root's unit: embeddings, final norm, head
         if s.wrapping == "zero1" or not comm.overlap:
             # every unit gathered for the step (or the one root unit), and the largest landing:
             # FSDP2 gathers a unit into one flat buffer and copies it out into the parameters
-            gathered = n + (max(block, n - len(rc.layers) * block) if comm.overlap else n)
+            gathered = n + (max(block, root) if comm.overlap else n)
         elif s.pp > 1:
             # the stage's forward reshards every unit, the root too, before the loss's backward
             # peak: the prefetched block, landing (measured on dp2pp2's last stage)
             gathered = 2 * block
         else:
-            # the stage root (embeddings, final norm, head) gathered for its backward beside the
-            # block and the prefetched next (measured on dp2tp2: 0.96-1.07 of the step's peak)
-            gathered = 2 * block + n - len(rc.layers) * block
+            # the root gathered for its backward beside the block and the prefetched next
+            # (measured on dp2tp2: 0.96-1.07 of the step's peak)
+            gathered = 2 * block + root
         return float(gathered * pb + grads * gb)
     # DDP's buckets copy every gradient (the trainer does not set gradient_as_bucket_view); without
     # the wrapper (comm.overlap=false) every bucket's flat copy is in flight at once after the backward

@@ -55,14 +55,15 @@ def tp_collectives(m: ModelShape, s: ParallelShape) -> Tuple[int, int]:
     with sequence parallelism all-gathers and reduce-scatters) and on the norms' gradients."""
     if s.tp == 1:
         return 0, 0
-    forward = 4 if s.sequence_parallel else 2
+    forward = _forward_calls(s)
     act = 2 * forward + (forward - 1 if m.full_recompute else 0)
     return act, (2 * (2 if m.layernorm else 1) if s.sequence_parallel else 0)
 
 
-def tp_collectives_plain(s: ParallelShape) -> int:
-    """A block's activation collectives per micro-batch without recomputation."""
-    return 2 * (4 if s.sequence_parallel else 2)
+def _forward_calls(s: ParallelShape) -> int:
+    """A block's activation collectives in one forward: 2 all-reduces, or with sequence
+    parallelism 2 all-gathers and 2 reduce-scatters; the backward has as many."""
+    return 4 if s.sequence_parallel else 2
 
 
 def mesh_comm(
@@ -75,7 +76,7 @@ def mesh_comm(
     if s.tp > 1:
         act, norm = tp_collectives(m, s)
         # a block that does not recompute repeats none of its forward's collectives
-        spared = (layers - (layers if recomputed is None else recomputed)) * (act - tp_collectives_plain(s))
+        spared = (layers - (layers if recomputed is None else recomputed)) * (act - 2 * _forward_calls(s))
         per_call = allreduce_bytes(msg, s.tp) / (2 if s.sequence_parallel else 1)
         norm_bytes = norm * allreduce_bytes(m.d * 4, s.tp)
         tp_calls = ((act + norm) * layers - spared) * s.microbatches

@@ -234,12 +234,15 @@ def recomputed_layers(m: ModelShape, s: "ParallelShape", rc: rules.RankStages) -
     return sum(m.recomputed(n) for n in chunk_layers(m, s, rc))
 
 
+def model_recomputed_layers(m: ModelShape, s: "ParallelShape") -> int:
+    """Blocks of the whole model that recompute (full or selective), every stage chunk's first
+    ``recompute_layers``."""
+    return sum(m.recomputed(len(chunk)) for chunk in rules.layer_split(m.layers, s.pp * s.chunks_per_rank))
+
+
 def full_recompute_share(m: ModelShape, s: "ParallelShape") -> float:
     """The share of the model's blocks that recompute from their input (full granularity)."""
-    if not m.full_recompute:
-        return 0.0
-    split = rules.layer_split(m.layers, s.pp * s.chunks_per_rank)
-    return sum(m.recomputed(len(chunk)) for chunk in split) / max(1, m.layers)
+    return model_recomputed_layers(m, s) / max(1, m.layers) if m.full_recompute else 0.0
 
 
 def work_factor(m: ModelShape, s: "ParallelShape") -> float:
@@ -254,10 +257,8 @@ def core_flops(m: ModelShape, s: "ParallelShape") -> float:
     product with v, 4 s d a token and layer, PaLM's count) again, on the blocks that recompute."""
     if not (m.checkpointing and m.selective):
         return 0.0
-    split = rules.layer_split(m.layers, s.pp * s.chunks_per_rank)
-    layers = sum(m.recomputed(len(chunk)) for chunk in split)
     tokens = s.dp * s.microbatches * s.micro_batch * s.seq_len
-    return 4.0 * layers * m.d * s.seq_len * tokens
+    return 4.0 * model_recomputed_layers(m, s) * m.d * s.seq_len * tokens
 
 
 RankContents = rules.RankStages  # what one pipeline rank holds: stages, layers, the model's ends

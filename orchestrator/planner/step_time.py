@@ -232,9 +232,9 @@ def step_parts(
     # the backward is twice the forward, and holds the recomputed forward: (2 + r) / (3 + r)
     backward = compute * (2.0 + share) / (3.0 + share)
     ranks = [contents(r) for r in range(s.pp)]
-    layers = max(len(rc.layers) for rc in ranks)
-    memory = traffic.memory_seconds(m, s, precision, chip, planner)
     busiest = max(ranks, key=lambda rc: len(rc.layers))
+    layers = len(busiest.layers)
+    memory = traffic.memory_seconds(m, s, precision, chip, planner)
     tp_s, tp_calls, pp_s, pp_calls = mesh_comm(
         m, s, chip, layers, BYTES[precision.compute_dtype], shapes.recomputed_layers(m, s, busiest)
     )
