@@ -133,14 +133,46 @@ def start_workers_early(launch: Dict[str, Any]) -> str:
     return method
 
 
-def launch_config(world_size: int, launch: Dict[str, Any], start_method: str) -> Any:
+def rendezvous_store(launch: Dict[str, Any]) -> Any:
+    """The trial's rendezvous store, its server bound here before any worker starts, on
+    ``launch.master_port`` (0: a port the kernel gives in the same bind, so no other launch can
+    take it between the choice and the bind). Held for the whole launch: torch's elastic agent,
+    in this process, asks for a multi-tenant server on the same port and is handed this one
+    (``TCPServer::start`` keeps them by port). Picking a free port first and binding it later left
+    a window in which a second trial on the node took the same port: its agent, failing to bind,
+    joined the first trial's store as a client (``c10d_rendezvous_backend._create_tcp_store`` tries
+    that next), and the two trials' workers shared rendezvous keys (``/worker/attempt_0``): a gloo
+    rank connected to another trial's peer, which hung or corrupted the heap."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    port = int(launch["master_port"] or 0)
+    try:
+        return TCPStore(
+            launch["master_addr"],
+            port,
+            is_master=True,
+            multi_tenant=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=120),
+        )
+    except (RuntimeError, ValueError) as err:  # DistNetworkError is a RuntimeError
+        raise TrialFailed(
+            "crash",
+            f"launch.master_port={port}: cannot bind the rendezvous store on {launch['master_addr']} "
+            f"({error_line(str(err))}); another job holds it, leave launch.master_port at 0 to take a free one",
+        ) from None
+
+
+def launch_config(world_size: int, launch: Dict[str, Any], start_method: str, port: int) -> Any:
     """torch's elastic ``LaunchConfig`` for one node of ``world_size`` workers: the rendezvous at
-    ``launch.master_addr``:``launch.master_port`` (a free port when unset), restarted up to
-    ``launch.max_failures`` times."""
+    ``launch.master_addr``:``port`` (the store :func:`rendezvous_store` holds, which this node
+    hosts: ``is_host``, so an agent that cannot serve it fails instead of joining whatever store
+    listens there), restarted up to ``launch.max_failures`` times."""
     from torch.distributed.launcher.api import LaunchConfig
 
     host = launch["master_addr"]
-    port = int(launch["master_port"] or 0) or free_port(host)
     return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -149,7 +181,7 @@ def launch_config(world_size: int, launch: Dict[str, Any], start_method: str) ->
         role="trainer",
         rdzv_backend="c10d",
         rdzv_endpoint=f"{host}:{port}",
-        rdzv_configs={"timeout": 120},
+        rdzv_configs={"timeout": 120, "is_host": True},
         max_restarts=int(launch["max_failures"]),
         monitor_interval=0.2,
         start_method=start_method,
@@ -163,7 +195,8 @@ def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
 
     from trainers.loop import worker_entry
 
-    config = launch_config(world_size, launch, start_workers_early(launch))
+    store = rendezvous_store(launch)  # held until the workers are done
+    config = launch_config(world_size, launch, start_workers_early(launch), store.port)
     try:
         # the driver's environment now: a forkserver's workers would otherwise see the server's,
         # as it was when the driver's first trial started it
@@ -171,6 +204,8 @@ def launch_local(spec: Dict[str, Any], reporter: Any, world_size: int, launch: D
     except ChildFailedError as err:
         reason = _failure_reason(err)
         raise TrialFailed(classify(reason), reason) from None
+    finally:
+        del store
     return (results or {}).get(0) or {}
 
 

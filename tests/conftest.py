@@ -3,6 +3,7 @@ and a helper that runs the real CLI in a subprocess."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -121,6 +122,31 @@ def _rank_main(rank: int, world: int, port: int, measure, specs: list, extra: tu
         dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def held_port():
+    """The port spawned gloo ranks meet at, its store server bound here first (port 0: the kernel
+    picks it in the bind) and held until they are done. The ranks join it as clients, as torch's
+    elastic workers join their agent's store (``TORCHELASTIC_USE_AGENT_STORE``, which torch's
+    env:// and tcp:// rendezvous and ``trainers.runtime`` honour; the children inherit it). A port
+    picked free and bound later by rank 0 could be taken in between by a trial another test worker
+    launches, and the two groups' ranks then met each other (``orchestrator.launch.rendezvous_store``)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    keys = ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    try:
+        yield store.port
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        del store
+
+
 def on_ranks(measure, world: int, specs: list, out: str, *extra) -> list:
     """``measure(model, spec, rank, *rest, *extra)`` on the trainer's own ``RankModel`` of each
     ``(name, spec, *rest)`` of ``specs``, in ``world`` spawned gloo processes (``measure`` a
@@ -128,9 +154,8 @@ def on_ranks(measure, world: int, specs: list, out: str, *extra) -> list:
     import torch
     import torch.multiprocessing as mp
 
-    from orchestrator.launch import free_port
-
-    mp.spawn(_rank_main, args=(world, free_port(), measure, specs, extra, out), nprocs=world, join=True)
+    with held_port() as port:
+        mp.spawn(_rank_main, args=(world, port, measure, specs, extra, out), nprocs=world, join=True)
     return [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world)]
 
 

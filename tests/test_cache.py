@@ -121,17 +121,39 @@ def test_workers_start_early_from_one_forkserver():
 
 def test_the_local_launcher_meets_at_the_configured_address_and_port(compose_cfg):
     """launch.master_addr and launch.master_port are where torch's elastic agent holds the
-    rendezvous (a free port when 0); launch.max_failures its restarts. From the composed config,
-    through the section the trial hands its launch path."""
+    rendezvous (a port the kernel gives when 0, bound by the store the launcher holds);
+    launch.max_failures its restarts. From the composed config, through the section the trial
+    hands its launch path."""
     from orchestrator import trial
-    from orchestrator.launch import free_port, launch_config
+    from orchestrator.launch import free_port, launch_config, rendezvous_store
 
     port = free_port()
     overrides = ["+chip=cpu", "parallel=dp2", "launch.master_addr=127.0.0.2", f"launch.master_port={port}"]
     resolved = trial.resolve(compose_cfg([*overrides, "launch.max_failures=2"]))
-    config = launch_config(2, resolved.launch_section(), "spawn")
+    store = rendezvous_store(resolved.launch_section())
+    assert store.port == port
+    config = launch_config(2, resolved.launch_section(), "spawn", store.port)
     assert config.rdzv_endpoint == f"127.0.0.2:{port}" and config.nproc_per_node == 2
     assert config.max_restarts == 2 and config.start_method == "spawn"
-    unset = launch_config(2, trial.resolve(compose_cfg(["+chip=cpu"])).launch_section(), "spawn")
-    host, free = unset.rdzv_endpoint.rsplit(":", 1)
-    assert host == "127.0.0.1" and int(free) > 0
+    assert config.rdzv_configs["is_host"] is True  # never a client of a store another job holds
+    unset = rendezvous_store(trial.resolve(compose_cfg(["+chip=cpu"])).launch_section())
+    assert unset.port > 0 and unset.port != port
+
+
+def test_a_trial_whose_port_another_trial_holds_fails_by_name_and_starts_nothing(compose_cfg):
+    """Two trials on one node at the same launch.master_port: the second is refused with the key
+    named. Before the launcher bound its store itself, the second trial's agent joined the first's
+    store as a client and the two trials' workers shared rendezvous keys (one gloo rank meeting
+    another trial's peer: a hang or a corrupted heap, seen in CI as a SIGABRT in
+    ``malloc(): unaligned tcache chunk``), and a port picked free was open to that race too."""
+    from torch.distributed import TCPStore
+
+    from orchestrator import trial
+
+    # the first trial's store (another process's: not a multi-tenant server this process may share)
+    held = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    overrides = ["+chip=cpu", "parallel=dp2", f"launch.master_port={held.port}", "tracking.enabled=false"]
+    result = trial.run(compose_cfg(overrides), overrides, progress=False)
+    assert result["status"] == "crash"
+    assert f"launch.master_port={held.port}" in result["reason"] and "leave launch.master_port at 0" in result["reason"]
+    assert "losses" not in result  # no worker ran

@@ -19,7 +19,7 @@ import pytest
 from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import trial
-from tests.conftest import composed, single_process
+from tests.conftest import composed, held_port, single_process
 
 pytestmark = pytest.mark.distributed
 
@@ -105,8 +105,6 @@ def trained(tmp_path_factory):
     import torch
     import torch.multiprocessing as mp
 
-    from orchestrator.launch import free_port
-
     by_world: Dict[int, list] = {}
     for name, (world, over) in {**CASES, **WIRES}.items():
         cfg = trial.prepare(composed([*BASE, *over]))
@@ -115,7 +113,8 @@ def trained(tmp_path_factory):
     got = {}
     for world, specs in by_world.items():
         out = str(tmp_path_factory.mktemp(f"modes{world}"))
-        mp.spawn(_train_main, args=(world, free_port(), specs, out), nprocs=world, join=True)
+        with held_port() as port:
+            mp.spawn(_train_main, args=(world, port, specs, out), nprocs=world, join=True)
         got.update(torch.load(os.path.join(out, "summaries.pt")))
     return got
 

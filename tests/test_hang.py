@@ -13,7 +13,7 @@ import time
 import pytest
 
 from orchestrator.trial import ConfigError, prepare
-from tests.conftest import metric_history, run_cli, search_runs
+from tests.conftest import held_port, metric_history, run_cli, search_runs
 
 TIMEOUT_S = 5
 # How long after the hang the trial may end: comm.timeout_s, plus one step of gpt_tiny, the
@@ -194,9 +194,8 @@ def test_every_group_of_a_dp2tp2_mesh_has_the_configured_timeout(tmp_path):
     that joins later than comm.timeout_s still joins (the join waits JOIN_TIMEOUT_FLOOR_S)."""
     import torch.multiprocessing as mp
 
-    from orchestrator.launch import free_port
-
-    mp.spawn(_mesh_timeouts, args=(4, free_port(), str(tmp_path)), nprocs=4)
+    with held_port() as port:
+        mp.spawn(_mesh_timeouts, args=(4, port, str(tmp_path)), nprocs=4)
     for rank in range(4):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         t = float(MESH_TIMEOUT_S)

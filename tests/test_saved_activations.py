@@ -173,9 +173,10 @@ def run_tp(out_dir: str, world: int = 2) -> List[dict]:
     """Each rank's results of :func:`_tp_worker`, from ``world`` spawned gloo processes."""
     import torch.multiprocessing as mp
 
-    from orchestrator.launch import free_port
+    from tests.conftest import held_port
 
-    mp.spawn(_tp_worker, args=(world, free_port(), out_dir), nprocs=world, join=True)
+    with held_port() as port:
+        mp.spawn(_tp_worker, args=(world, port, out_dir), nprocs=world, join=True)
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
 
 

@@ -25,6 +25,7 @@ import torch
 
 from orchestrator.planner.mesh_comm import link, mesh_comm, tp_collectives
 from orchestrator.planner.shapes import ModelShape, ParallelShape
+from tests.conftest import held_port
 from tests.planner_cases import preset
 from trainers.config import ModelConfig
 
@@ -100,10 +101,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 def counted(tmp_path_factory):
     import torch.multiprocessing as mp
 
-    from orchestrator.launch import free_port
-
     out = str(tmp_path_factory.mktemp("tp") / "counts.pt")
-    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    with held_port() as port:
+        mp.spawn(_worker, args=(2, port, out), nprocs=2, join=True)
     return torch.load(out)
 
 
