@@ -107,10 +107,20 @@ def _onoff(x: bool) -> str:
     return "on" if x else "-"
 
 
+def _recompute(c: search.Candidate) -> str:
+    """The ckpt column: -, full (every block), sel (the attention core) or Nblk (full, the first
+    N blocks of each stage chunk)."""
+    if not c.activation_checkpointing:
+        return "-"
+    if c.recompute_granularity == "selective":
+        return "sel"
+    return f"{c.recompute_layers}blk" if c.recompute_layers >= 0 else "full"
+
+
 def space_table(plans: List[search.SpacePlan]) -> str:
     """The shortlist of ``--devices N``: one point a row, its knobs, memory and speed."""
     head = (
-        f"{'layout':<14}{'mbs':>4}{'m':>5} {'schedule':<17}{'v':>3} {'ckpt':<5}{'dp':<5}{'sp':<4}"
+        f"{'layout':<14}{'mbs':>4}{'m':>5} {'schedule':<17}{'v':>3} {'ckpt':<6}{'dp':<6}{'sp':<4}"
         f"{'mem_gb':>8}{'fits':>5}{'bubble':>8}{'comm':>7}{'step_s':>10}{'mfu':>7}"
     )
     rows = [head, "-" * len(head)]
@@ -121,7 +131,7 @@ def space_table(plans: List[search.SpacePlan]) -> str:
         rows.append(
             f"{c.layout:<14}{s.micro_batch:>4}{(s.microbatches if pipe else '-'):>5} "
             f"{(s.schedule if pipe else '-'):<17}{(s.chunks_per_rank if pipe else '-'):>3} "
-            f"{_onoff(c.activation_checkpointing):<5}{shard:<5}{_onoff(s.sequence_parallel):<4}"
+            f"{_recompute(c):<6}{shard:<6}{_onoff(s.sequence_parallel):<4}"
             f"{_gb(p.memory.total / planner.GiB):>8}{'yes' if p.fits else 'no':>5}{_pct(p.step.bubble_fraction):>8}"
             f"{_pct(p.step.comm_share):>7}{p.step.step_time_s:>10.3f}{_pct(p.step.mfu):>7}"
         )

@@ -73,10 +73,15 @@ def parse(spec: Dict[str, Any]) -> AutoSpec:
     granularities = tuple(space.get("recompute_granularity") or ("full", "selective"))
     if set(granularities) - {"full", "selective"}:
         errors.append(f"{PREFIX}.space.recompute_granularity: {list(granularities)}: each must be full or selective")
+    shares = space.get("recompute_shares")
+    shares = tuple(float(v) for v in (Space().recompute_shares if shares is None else shares))
+    if any(not 0.0 < v < 1.0 for v in shares):
+        errors.append(f"{PREFIX}.space.recompute_shares: {list(shares)}: each must be above 0 and below 1")
     out.space = Space(
         schedules=schedules,
         activation_checkpointing=tuple(bool(v) for v in (space.get("activation_checkpointing") or (False, True))),
         recompute_granularity=granularities,
+        recompute_shares=shares,
         dp_shard=shards,
         sequence_parallel=tuple(bool(v) for v in (space.get("sequence_parallel") or (False, True))),
         max_pp=int(space.get("max_pp") or 0),

@@ -79,16 +79,21 @@ def _trial_runs(uri):
 
 def test_a_dry_run_plans_and_launches_nothing(tmp_path, monkeypatch, capfd):
     args = [*BASE, "model=llama_tiny", "launch.world_size=4", "hydra.sweeper.dry_run=true"]
+    args.append("hydra.sweeper.space.recompute_shares=[0.5]")
     code, out, err = cli_in_process(args, tmp_path, monkeypatch, capfd)
     assert code == 0, err[-3000:]
-    # the space: dp4 2 micro-batches x 3 recompute settings (none, full, selective) x 3 DP modes;
-    # dp2pp2 3 pipeline micro-batch counts x 4 schedules x 3 x 3; pp4 4 x 4 x 3; dp2tp2 3 x 3 x 3
-    # x 2 sequence parallel; tp2pp2 4 x 4 x 3 x 2. 195 fit: short pipelines, ZB-V and GPipe under
-    # overlapped replicas refused
-    r = 3
-    points = 2 * r * 3 + 3 * 4 * r * 3 + 4 * 4 * r + 3 * r * 3 * 2 + 4 * 4 * r * 2
-    assert f"auto (dry run): {points} points, 195 fit" in out, out
-    assert "excluded     84  parallel.microbatches=N is below parallel.pp=N" in out
+    # recompute settings: none, full over all blocks, selective, and full over the first half of
+    # each stage chunk's blocks where that is some but not all (chunks of 4 and 2 blocks: 4
+    # settings; chunks of 1 block, interleaved and ZB-V on pp2 and every pp4: 3)
+    # the space: dp4 2 micro-batches x 4 recompute settings x 3 DP modes; dp2pp2 3 pipeline
+    # micro-batch counts x (2 schedules x 4 + 2 x 3) x 3; pp4 4 x 4 x 3; dp2tp2 3 x 4 x 3 x 2
+    # sequence parallel; tp2pp2 4 x (2 x 4 + 2 x 3) x 2. 240 fit: short pipelines, ZB-V and GPipe
+    # under overlapped replicas refused (each rule counts a half-recompute point wherever it
+    # counts the same point recomputing all: 84 + 10 pipelines of one micro-batch)
+    pipe = 2 * 4 + 2 * 3
+    points = 2 * 4 * 3 + 3 * pipe * 3 + 4 * 4 * 3 + 3 * 4 * 3 * 2 + 4 * pipe * 2
+    assert f"auto (dry run): {points} points, 240 fit" in out, out
+    assert "excluded     94  parallel.microbatches=N is below parallel.pp=N" in out
     assert "    1. dp4tp1pp1" in out and "measure: at most 12 trials in batches of 2" in out
     assert "polish from the winner, one at a time, at most 10 trials" in out
     uri = "sqlite:///" + str(tmp_path / "mlruns.db")
@@ -102,6 +107,10 @@ def test_a_dry_run_plans_and_launches_nothing(tmp_path, monkeypatch, capfd):
         (["launch.world_size=2", "hydra.sweeper.max_trials=0"], "hydra.sweeper.max_trials=0: must be at least 1"),
         (["launch.world_size=2", "hydra.sweeper.confirm=0"], "hydra.sweeper.confirm=0: must be at least 1"),
         (["launch.world_size=2", "hydra.sweeper.space.schedules=[fast]"], "hydra.sweeper.space.schedules: ['fast']"),
+        (
+            ["launch.world_size=2", "hydra.sweeper.space.recompute_shares=[0.5,1.0]"],
+            "hydra.sweeper.space.recompute_shares: [0.5, 1.0]: each must be above 0 and below 1",
+        ),
         (["launch.world_size=2", "chip.memory_gb=0.001"], "model=gpt_tiny: no point of 2 devices fits or runs"),
         (["launch.world_size=2", "hydra.sweeper.polish={comm.bucket_mb:[big]}"], "hydra.sweeper.polish.comm.bucket_mb"),
         (

@@ -15,7 +15,7 @@ import pytest
 from orchestrator import planner
 from orchestrator.planner import search
 from orchestrator.planner.fast_plan import FastPlanner
-from orchestrator.planner.space import candidate_config, memory_reason, reason_key, sample
+from orchestrator.planner.space import Space, candidate_config, memory_reason, reason_key, recompute_counts, sample
 from tests.conftest import ROOT, cli_env
 
 LLAMA7_8 = (["+chip=ascend910b", "model=llama2_7b", "parallel.microbatches=16"], 8)
@@ -62,7 +62,8 @@ def _stratified(points, per=2):
     """A few points of every kind: pipeline or not, schedule, checkpointing, sharding, SP."""
     groups = defaultdict(list)
     for c in points:
-        groups[(c.pp > 1, c.tp > 1, c.schedule, c.activation_checkpointing, c.dp_shard, c.sequence_parallel)].append(c)
+        ckpt = (c.activation_checkpointing, c.recompute_granularity, c.recompute_layers >= 0)
+        groups[(c.pp > 1, c.tp > 1, c.schedule, ckpt, c.dp_shard, c.sequence_parallel)].append(c)
     return [c for key in sorted(groups, key=str) for c in sample(groups[key], per)]
 
 
@@ -89,6 +90,29 @@ def test_the_fast_path_equals_the_slow_path(compose_cfg, case):
         assert got.step == want.step, c.name
         planned += 1
     assert planned >= 10 and len(pts) >= 20
+
+
+def test_partial_recompute_points_sit_between_none_and_all(compose_cfg):
+    """Full recompute of the first N blocks of each stage chunk: N a quarter, a half, three
+    quarters of the chunk, rounded up, where that is some but not all. On one point of the 70B
+    (tp8 pp8, 10 blocks a stage), more recomputed blocks plan less memory and a longer step, from
+    no recompute to all of it: the search trades the two, never offering a partial point
+    predicted faster than the same point without recompute."""
+    assert recompute_counts(10, (0.25, 0.5, 0.75)) == [-1, 3, 5, 8]
+    assert recompute_counts(2, (0.25, 0.5, 0.75)) == [-1, 1] and recompute_counts(1, (0.5,)) == [-1]
+    ov, n = LLAMA70_1024
+    base, _ = search.base_config(compose_cfg(ov))
+    fast = FastPlanner(base, n)
+    space = Space(schedules=("1f1b",), recompute_granularity=("full",), dp_shard=("zero1",), layouts=((16, 8, 8),))
+    pts = [c for c in search.points(base, n, space) if c.microbatches == 64 and c.sequence_parallel]
+    assert [c.recompute_layers for c in pts if c.activation_checkpointing] == [-1, 3, 5, 8]
+    order = sorted(pts, key=lambda c: (c.activation_checkpointing, c.recompute_layers % 11))  # none, 3, 5, 8, all
+    plans = [fast.plan(c, with_step=True) for c in order]
+    assert not any(p.errors for p in plans)
+    mem = [p.memory.activations for p in plans]
+    step = [p.step.step_time_s for p in plans]
+    assert mem == sorted(mem, reverse=True) and len(set(mem)) == 5
+    assert step == sorted(step) and len(set(step)) == 5
 
 
 def test_excluded_points_come_with_their_rules(compose_cfg):

@@ -17,6 +17,9 @@ class AutoSpaceConf:
     schedules: Optional[List[str]] = None  # gpipe, 1f1b, interleaved_1f1b, zbv
     activation_checkpointing: Optional[List[bool]] = None
     recompute_granularity: Optional[List[str]] = None  # full, selective (with checkpointing on)
+    # with full recompute, the shares of each stage chunk's blocks that recompute besides all of
+    # them (model.recompute_layers; None: a quarter, a half, three quarters; [] none: all or nothing)
+    recompute_shares: Optional[List[float]] = None
     dp_shard: Optional[List[str]] = None  # ddp, zero1, fsdp (trainers.rules.DP_MODES)
     sequence_parallel: Optional[List[bool]] = None
     max_pp: int = 0  # 0: every pipeline depth that divides the layers

@@ -88,21 +88,31 @@ class FastPlanner:
         self.cfg = plain(base)
         self.devices_per_node = int(self.cfg.chip.devices_per_node)
         self.cfg.chip.emulate = True  # planned as emulated, as planning_errors plans it
-        # one model shape for each recompute setting a point can set (checkpointing, granularity)
-        self.models = {
-            (ck, g): ModelShape.of(dict(self.cfg.model, activation_checkpointing=ck, recompute_granularity=g))
+        # one model shape for each recompute setting a point can set (checkpointing, granularity,
+        # blocks of a stage chunk that recompute), made as points ask for them
+        self.models: Dict[Tuple[bool, str, int], ModelShape] = {}
+        self.whole = self.model(False, "full", -1)
+        pr, cm, ch, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
+        self.pb, self.gb, _ = state_bytes(pr, pl)
+        self.act_bytes = {
+            (ck, g): ActBytes.of(pr, self.model(ck, g, -1), str(ch.device_type))
             for ck in (False, True)
             for g in ("full", "selective")
         }
-        pr, cm, ch, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
-        self.pb, self.gb, _ = state_bytes(pr, pl)
-        self.act_bytes = {ck: ActBytes.of(pr, mm, str(ch.device_type)) for ck, mm in self.models.items()}
         self.comm_bytes = communicator_bytes(ch.dist_backend, cm, pl)
         self.host = HostCosts.of(pl)
         self._contents: Dict[Tuple, Any] = {}
         self._state: Dict[Tuple, ModelState] = {}
         self._params: Dict[Tuple, int] = {}
         self._dp_buf: Dict[Tuple, float] = {}
+
+    def model(self, checkpointing: bool, granularity: str, recompute_layers: int) -> ModelShape:
+        """The model shape of one recompute setting."""
+        key = (checkpointing, granularity, recompute_layers)
+        knobs = dict(
+            activation_checkpointing=checkpointing, recompute_granularity=granularity, recompute_layers=recompute_layers
+        )
+        return _memo(self.models, key, lambda: ModelShape.of(dict(self.cfg.model, **knobs)))
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -175,14 +185,14 @@ class FastPlanner:
     def plan(self, c: Candidate, with_step: bool = False) -> FastPlan:
         """Rules first (the search's, then the validator's), then memory; the step time only when
         asked (``with_step``) or later through :meth:`step`."""
-        lines = search_errors(c, self.models[(False, "full")].layers)
+        lines = search_errors(c, self.whole.layers)
         if lines:
             return FastPlan(c, lines)
         cfg = self.point_config(c)
         lines = self.errors(cfg)
         if lines:
             return FastPlan(c, lines)
-        m = self.models[(bool(c.activation_checkpointing), c.recompute_granularity)]
+        m = self.model(bool(c.activation_checkpointing), c.recompute_granularity, c.recompute_layers)
         s = ParallelShape.of(cfg.parallel, cfg.trainer, Layout(c.dp, c.tp, c.pp), str(cfg.chip.device_type))
         out = FastPlan(c, [], s, m, self.memory(m, s))
         if with_step:

@@ -118,6 +118,7 @@ class SpacePlan:
             virtual_stages=self.shape.virtual_stages,
             activation_checkpointing=c.activation_checkpointing,
             recompute_granularity=c.recompute_granularity,
+            recompute_layers=c.recompute_layers,
             dp_shard=c.dp_shard,
             sequence_parallel=self.shape.sequence_parallel,
         )
@@ -173,7 +174,8 @@ EXAMPLES = 3
 def _rank_key(p: SpacePlan) -> Tuple:
     c = p.candidate
     return (p.step.step_time_s, p.memory.total, c.dp, c.tp, c.pp, c.micro_batch, c.schedule, c.virtual_stages,
-            c.activation_checkpointing, c.recompute_granularity, c.dp_shard, c.sequence_parallel)  # fmt: skip
+            c.activation_checkpointing, c.recompute_granularity, c.recompute_layers, c.dp_shard,
+            c.sequence_parallel)  # fmt: skip
 
 
 def base_config(cfg: DictConfig, coverage: Optional[OpCoverage] = None) -> Tuple[DictConfig, OpCoverage]:
@@ -227,7 +229,7 @@ def plan_space(
     t0 = time.perf_counter()
     base, _ = base_config(cfg, coverage)
     fast = FastPlanner(base, devices)
-    n_params = fast.models[(False, "full")].n_params
+    n_params = fast.whole.n_params
     chip = str(base.chip.name)
     plans: List[SpacePlan] = []
     near: List[Tuple[float, int, FastPlan]] = []  # max-heap by memory (negated) of the closest misses

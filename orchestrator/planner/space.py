@@ -4,7 +4,10 @@ A point (:class:`Candidate`) is a DP/TP/PP layout (:func:`orchestrator.planner.s
 with its batch arithmetic and memory knobs: ``trainer.micro_batch`` (without a pipeline, a
 divisor of the replica's batch) or ``parallel.microbatches`` (with one, a divisor of it), the
 pipeline schedule and its stages per rank, ``model.activation_checkpointing`` with its
-``model.recompute_granularity`` (full, or selective: the attention core),
+``model.recompute_granularity`` (full, or selective: the attention core) and, with full, its
+``model.recompute_layers`` (all blocks, or the first N of each stage chunk: N a quarter, a half,
+three quarters of the chunk's blocks, :func:`recompute_counts`; Megatron's
+``--recompute-method block --recompute-num-layers N``),
 ``parallel.dp_shard`` (each data-parallel mode, :data:`trainers.rules.DP_MODES`) and
 ``parallel.sequence_parallel``. Values that change nothing the trainer does are not separate
 points: ``dp_shard`` is ``ddp`` with one replica; sequence
@@ -23,6 +26,7 @@ times faster; ``tests/test_plan_search.py`` holds the two paths equal.
 from __future__ import annotations
 
 import copy
+import math
 import re
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Sequence, Tuple
@@ -54,6 +58,7 @@ class Candidate:
     dp_shard: str
     sequence_parallel: bool
     recompute_granularity: str = "full"  # what checkpointing recomputes (read only with it on)
+    recompute_layers: int = -1  # the first N blocks of each stage chunk recompute; -1: all of them
 
     @property
     def layout(self) -> str:
@@ -67,6 +72,7 @@ class Candidate:
             parts.append(self.schedule + (f"(v={self.virtual_stages})" if self.schedule == "interleaved_1f1b" else ""))
         if self.activation_checkpointing:
             parts.append("sel" if self.recompute_granularity == "selective" else "ckpt")
+            parts[-1] += str(self.recompute_layers) * (self.recompute_layers >= 0)
         parts += [self.dp_shard] * (self.dp_shard != "ddp" and self.dp > 1)
         return "+".join(parts) + ("+sp" if self.sequence_parallel else "")
 
@@ -84,6 +90,7 @@ class Candidate:
             "trainer.micro_batch": self.micro_batch,
             "model.activation_checkpointing": self.activation_checkpointing,
             "model.recompute_granularity": self.recompute_granularity,
+            "model.recompute_layers": self.recompute_layers,
             "launch.world_size": devices,
             "launch.nnodes": -(-devices // max(1, devices_per_node)),
         }
@@ -103,6 +110,9 @@ class Space:
     schedules: Tuple[str, ...] = SCHEDULES
     activation_checkpointing: Tuple[bool, ...] = (False, True)
     recompute_granularity: Tuple[str, ...] = ("full", "selective")  # with checkpointing on
+    # with full recompute, the shares of each stage chunk's blocks that recompute besides all of
+    # them (each rounded up to whole blocks, kept where it is some but not all: recompute_counts)
+    recompute_shares: Tuple[float, ...] = (0.25, 0.5, 0.75)
     dp_shard: Tuple[str, ...] = rules.DP_MODES
     sequence_parallel: Tuple[bool, ...] = (False, True)
     max_pp: int = 0  # 0: every pipeline depth that divides the layers
@@ -120,6 +130,14 @@ def stage_choices(schedule: str, pp: int, n_layers: int) -> List[int]:
     if schedule == "interleaved_1f1b":
         return [v for v in range(2, n_layers // pp + 1) if n_layers % (pp * v) == 0] or [2]
     return [rules.stages_per_rank(pp, schedule, 1)]
+
+
+def recompute_counts(chunk_blocks: int, shares: Sequence[float]) -> List[int]:
+    """``model.recompute_layers`` values of full recompute on stage chunks of ``chunk_blocks``
+    blocks: -1 (all), then each share of the chunk rounded up to whole blocks, where that is some
+    blocks but not all (a chunk of one block has only -1)."""
+    counts = sorted({math.ceil(round(chunk_blocks * share, 6)) for share in shares})
+    return [-1] + [n for n in counts if 0 < n < chunk_blocks]
 
 
 def candidates(
@@ -141,13 +159,16 @@ def candidates(
         batches = batches[:1]
     shards = list(space.dp_shard) if dp > 1 else ["ddp"]  # one replica: no wrapping
     sps = list(space.sequence_parallel) if tp > 1 else [False]
-    recomputes = [(False, "full")] * (False in space.activation_checkpointing)
-    recomputes += [(True, g) for g in space.recompute_granularity] if True in space.activation_checkpointing else []
+    off = [(False, "full", -1)] * (False in space.activation_checkpointing)
+    grains = list(space.recompute_granularity) if True in space.activation_checkpointing else []
     for mb, m, sched, v in batches:
-        for ckpt, granularity in recomputes:
+        chunk = max(1, n_layers // (pp * rules.stages_per_rank(pp, sched, v)))
+        counts = {"full": recompute_counts(chunk, space.recompute_shares), "selective": [-1]}
+        recomputes = off + [(True, g, n) for g in grains for n in counts[g]]
+        for ckpt, granularity, count in recomputes:
             for shard in shards:
                 for sp in sps:
-                    yield Candidate(dp, tp, pp, mb, m, sched, v, ckpt, shard, sp, granularity)
+                    yield Candidate(dp, tp, pp, mb, m, sched, v, ckpt, shard, sp, granularity, count)
 
 
 def search_errors(c: Candidate, n_layers: int) -> List[str]:
