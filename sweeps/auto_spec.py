@@ -85,6 +85,7 @@ def parse(spec: Dict[str, Any]) -> AutoSpec:
         dp_shard=shards,
         sequence_parallel=tuple(bool(v) for v in (space.get("sequence_parallel") or (False, True))),
         max_pp=int(space.get("max_pp") or 0),
+        compile=tuple(bool(v) for v in (space.get("compile") or ())),
     )
     if errors:
         raise StudyError(errors)

@@ -15,7 +15,15 @@ import pytest
 from orchestrator import planner
 from orchestrator.planner import search
 from orchestrator.planner.fast_plan import FastPlanner
-from orchestrator.planner.space import Space, candidate_config, memory_reason, reason_key, recompute_counts, sample
+from orchestrator.planner.space import (
+    Space,
+    candidate_config,
+    compile_choices,
+    memory_reason,
+    reason_key,
+    recompute_counts,
+    sample,
+)
 from tests.conftest import ROOT, cli_env
 
 LLAMA7_8 = (["+chip=ascend910b", "model=llama2_7b", "parallel.microbatches=16"], 8)
@@ -63,7 +71,7 @@ def _stratified(points, per=2):
     groups = defaultdict(list)
     for c in points:
         ckpt = (c.activation_checkpointing, c.recompute_granularity, c.recompute_layers >= 0)
-        groups[(c.pp > 1, c.tp > 1, c.schedule, ckpt, c.dp_shard, c.sequence_parallel)].append(c)
+        groups[(c.pp > 1, c.tp > 1, c.schedule, ckpt, c.dp_shard, c.sequence_parallel, c.compile)].append(c)
     return [c for key in sorted(groups, key=str) for c in sample(groups[key], per)]
 
 
@@ -113,6 +121,28 @@ def test_partial_recompute_points_sit_between_none_and_all(compose_cfg):
     step = [p.step.step_time_s for p in plans]
     assert mem == sorted(mem, reverse=True) and len(set(mem)) == 5
     assert step == sorted(step) and len(set(step)) == 5
+
+
+def test_the_search_compiles_where_the_backend_fuses_on_an_accelerator(compose_cfg):
+    """trainer.compile is a knob of the search on a GPU (Inductor fuses: the planner credits the
+    fused memory traffic, so a compiled point plans a shorter step than its eager twin); on the
+    910B (aot_eager, nothing fused) and on the CPU (short trials, long compiles) the composed value
+    stays, unless the space names values."""
+    assert compile_choices(Space(), "cuda", "auto", False) == [False, True]
+    assert compile_choices(Space(), "npu", "auto", False) == [False]
+    assert compile_choices(Space(), "npu", "torchair", True) == [False, True]
+    assert compile_choices(Space(), "cpu", "auto", True) == [True]
+    assert compile_choices(Space(compile=(True,)), "cpu", "auto", False) == [True]
+    ov, n = LLAMA13_H100
+    res = search.plan_space(compose_cfg(ov), n, Space(layouts=((4, 4, 1),), sequence_parallel=(True,)))
+    by_point = {}
+    for p in res.plans:
+        by_point.setdefault(p.candidate.name.replace("+compiled", ""), {})[p.candidate.compile] = p
+    pairs = [v for v in by_point.values() if len(v) == 2]
+    assert len(pairs) >= 4
+    assert all(v[True].step.step_time_s < v[False].step.step_time_s for v in pairs)
+    ascend = search.plan_space(compose_cfg(["+chip=ascend910b", "model=llama2_7b"]), 8, Space(layouts=((8, 1, 1),)))
+    assert ascend.plans and not any(p.candidate.compile for p in ascend.plans)
 
 
 def test_excluded_points_come_with_their_rules(compose_cfg):

@@ -23,6 +23,9 @@ class AutoSpaceConf:
     dp_shard: Optional[List[str]] = None  # ddp, zero1, fsdp (trainers.rules.DP_MODES)
     sequence_parallel: Optional[List[bool]] = None
     max_pp: int = 0  # 0: every pipeline depth that divides the layers
+    # trainer.compile values (None: both on a GPU, whose auto backend Inductor fuses; the composed
+    # value on the CPU and on Ascend, whose auto backend aot_eager does not fuse)
+    compile: Optional[List[bool]] = None
 
 
 @dataclass

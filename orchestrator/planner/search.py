@@ -23,6 +23,7 @@ from orchestrator.planner.space import (
     Candidate,
     Space,
     candidates,
+    compile_choices,
     memory_line,
     memory_reason,
     reason_key,
@@ -119,6 +120,7 @@ class SpacePlan:
             activation_checkpointing=c.activation_checkpointing,
             recompute_granularity=c.recompute_granularity,
             recompute_layers=c.recompute_layers,
+            compile=c.compile,
             dp_shard=c.dp_shard,
             sequence_parallel=self.shape.sequence_parallel,
         )
@@ -175,7 +177,7 @@ def _rank_key(p: SpacePlan) -> Tuple:
     c = p.candidate
     return (p.step.step_time_s, p.memory.total, c.dp, c.tp, c.pp, c.micro_batch, c.schedule, c.virtual_stages,
             c.activation_checkpointing, c.recompute_granularity, c.recompute_layers, c.dp_shard,
-            c.sequence_parallel)  # fmt: skip
+            c.sequence_parallel, c.compile)  # fmt: skip
 
 
 def base_config(cfg: DictConfig, coverage: Optional[OpCoverage] = None) -> Tuple[DictConfig, OpCoverage]:
@@ -189,10 +191,12 @@ def base_config(cfg: DictConfig, coverage: Optional[OpCoverage] = None) -> Tuple
 def points(base: DictConfig, devices: int, space: Space = Space()) -> Iterator[Candidate]:
     """Every point of the space, layout by layout (:func:`layouts`, :func:`space.candidates`;
     ``space.layouts``, where given, the ones of them to plan)."""
+    t = base.trainer
+    compiles = compile_choices(space, str(base.chip.device_type), str(t.compile_backend), bool(t.compile))
     for dp, tp, pp in layouts(devices, base.model, base.chip, space.max_pp):
         if space.layouts and (dp, tp, pp) not in space.layouts:
             continue
-        yield from candidates(dp, tp, pp, int(base.trainer.global_batch), int(base.model.n_layers), space)
+        yield from candidates(dp, tp, pp, int(t.global_batch), int(base.model.n_layers), space, compiles)
 
 
 def _exclude(

@@ -8,10 +8,10 @@ pipeline schedule and its stages per rank, ``model.activation_checkpointing`` wi
 ``model.recompute_layers`` (all blocks, or the first N of each stage chunk: N a quarter, a half,
 three quarters of the chunk's blocks, :func:`recompute_counts`; Megatron's
 ``--recompute-method block --recompute-num-layers N``),
-``parallel.dp_shard`` (each data-parallel mode, :data:`trainers.rules.DP_MODES`) and
-``parallel.sequence_parallel``. Values that change nothing the trainer does are not separate
-points: ``dp_shard`` is ``ddp`` with one replica; sequence
-parallelism only with ``tp > 1``; ``virtual_stages`` is the stages per rank the schedule runs
+``parallel.dp_shard`` (each data-parallel mode, :data:`trainers.rules.DP_MODES`),
+``parallel.sequence_parallel`` and ``trainer.compile`` (where it helps, :func:`compile_choices`).
+Values that change nothing the trainer does are not separate points: ``dp_shard`` is ``ddp``
+with one replica; sequence parallelism only with ``tp > 1``; ``virtual_stages`` is the stages per rank the schedule runs
 (1 for GPipe and 1F1B, 2 for ZB-V, for interleaved 1F1B each count from 2 whose stages split the
 layers evenly). Which rules a point must keep is the validator's business: points that break
 one are planned only as far as being counted under it (the search adds one rule of its own,
@@ -59,6 +59,7 @@ class Candidate:
     sequence_parallel: bool
     recompute_granularity: str = "full"  # what checkpointing recomputes (read only with it on)
     recompute_layers: int = -1  # the first N blocks of each stage chunk recompute; -1: all of them
+    compile: bool = False  # trainer.compile: each block through torch.compile
 
     @property
     def layout(self) -> str:
@@ -74,7 +75,7 @@ class Candidate:
             parts.append("sel" if self.recompute_granularity == "selective" else "ckpt")
             parts[-1] += str(self.recompute_layers) * (self.recompute_layers >= 0)
         parts += [self.dp_shard] * (self.dp_shard != "ddp" and self.dp > 1)
-        return "+".join(parts) + ("+sp" if self.sequence_parallel else "")
+        return "+".join(parts) + ("+sp" if self.sequence_parallel else "") + ("+compiled" if self.compile else "")
 
     def values(self, devices: int, devices_per_node: int) -> Dict[str, Any]:
         """The config keys this point sets, ``section.key -> value`` (the same for both paths)."""
@@ -88,6 +89,7 @@ class Candidate:
             "parallel.dp_shard": self.dp_shard,
             "parallel.sequence_parallel": self.sequence_parallel,
             "trainer.micro_batch": self.micro_batch,
+            "trainer.compile": self.compile,
             "model.activation_checkpointing": self.activation_checkpointing,
             "model.recompute_granularity": self.recompute_granularity,
             "model.recompute_layers": self.recompute_layers,
@@ -116,6 +118,7 @@ class Space:
     dp_shard: Tuple[str, ...] = rules.DP_MODES
     sequence_parallel: Tuple[bool, ...] = (False, True)
     max_pp: int = 0  # 0: every pipeline depth that divides the layers
+    compile: Tuple[bool, ...] = ()  # trainer.compile values; empty: compile_choices' rule
     layouts: Tuple[Tuple[int, int, int], ...] = ()  # (dp, tp, pp) to plan; empty: every one
 
 
@@ -132,6 +135,19 @@ def stage_choices(schedule: str, pp: int, n_layers: int) -> List[int]:
     return [rules.stages_per_rank(pp, schedule, 1)]
 
 
+def compile_choices(space: Space, device_type: str, backend: str, composed: bool) -> List[bool]:
+    """``trainer.compile`` values of the search: ``space.compile`` where given; else both where
+    the backend fuses (``trainers.rules.FUSING_BACKENDS``: Inductor on a GPU, TorchAir when named)
+    on an accelerator, and the composed value elsewhere: the 910B's auto backend, ``aot_eager``,
+    runs the graph's operators one by one (nothing the planner can credit), and on the CPU, where
+    CI and laptops run short trials, Inductor's compile time outweighs the steps it saves."""
+    if space.compile:
+        return list(space.compile)
+    if device_type != "cpu" and rules.compile_backend_name(device_type, backend) in rules.FUSING_BACKENDS:
+        return [False, True]
+    return [composed]
+
+
 def recompute_counts(chunk_blocks: int, shares: Sequence[float]) -> List[int]:
     """``model.recompute_layers`` values of full recompute on stage chunks of ``chunk_blocks``
     blocks: -1 (all), then each share of the chunk rounded up to whole blocks, where that is some
@@ -141,7 +157,13 @@ def recompute_counts(chunk_blocks: int, shares: Sequence[float]) -> List[int]:
 
 
 def candidates(
-    dp: int, tp: int, pp: int, global_batch: int, n_layers: int, space: Space = Space()
+    dp: int,
+    tp: int,
+    pp: int,
+    global_batch: int,
+    n_layers: int,
+    space: Space = Space(),
+    compiles: Sequence[bool] = (False,),
 ) -> Iterator[Candidate]:
     """Every point of one layout. The batch values are divisors of the replica's batch (a
     replica's batch that ``dp`` does not divide gets one point, for the validator to refuse)."""
@@ -168,7 +190,8 @@ def candidates(
         for ckpt, granularity, count in recomputes:
             for shard in shards:
                 for sp in sps:
-                    yield Candidate(dp, tp, pp, mb, m, sched, v, ckpt, shard, sp, granularity, count)
+                    for compiled in compiles:
+                        yield Candidate(dp, tp, pp, mb, m, sched, v, ckpt, shard, sp, granularity, count, compiled)
 
 
 def search_errors(c: Candidate, n_layers: int) -> List[str]:
