@@ -3,7 +3,8 @@ the path of its ``config.json``) fills the ``model`` section from the folder's `
 the planner, the operator coverage and every layout work on it as on the shipped presets.
 
 Supported: the Llama family (``LlamaForCausalLM``, ``model_type: llama``: Llama 2 and 3, grouped
-KV heads, ``rope_theta``, Llama 3.1's ``rope_scaling`` of type ``llama3``, ``rms_norm_eps``, tied
+KV heads, ``rope_theta``, Llama 3.1's RoPE scaling of type ``llama3`` (as transformers 5 writes it,
+in ``rope_parameters``, or as 4 did, ``rope_theta`` and ``rope_scaling``), ``rms_norm_eps``, tied
 or untied head), the fields read by ``transformers``' ``LlamaConfig``. Anything else, or a Llama
 config with a field whose value the trainer does not build (biases in attention or MLP, another
 activation, another RoPE scaling, a head dimension other than hidden / heads), is one error line
@@ -59,10 +60,10 @@ def model_fields(where: str) -> Dict[str, Any]:
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     if hf.get("head_dim") not in (None, hidden // heads):
         bad.append(("head_dim", hf["head_dim"], hidden // heads))
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = scaling.get("rope_type", scaling.get("type"))
-    if scaling and rope_type != "llama3":
-        bad.append(("rope_scaling.rope_type", rope_type, "llama3"))
+    theta, scaling, rope_field = rope(hf, key)
+    rope_type = scaling.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        bad.append((rope_field, rope_type, " or ".join(ROPE_TYPES)))
     if bad:
         f, v, want = bad[0]
         raise HFConfigError(f"{key}: {f}={v!r} is not built by this trainer (it builds {want!r})")
@@ -78,18 +79,49 @@ def model_fields(where: str) -> Dict[str, Any]:
         "norm": "rmsnorm",
         "mlp": "swiglu",
         "pos_emb": "rope",
-        "rope_theta": float(hf.get("rope_theta", 10000.0)),
+        "rope_theta": theta,
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
-        "rope_scaling": {
-            k: scaling[k]
-            for k in ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            if k in scaling
-        },
+        "rope_scaling": {k: scaling[k] for k in LLAMA3_KEYS if k in scaling} if rope_type == "llama3" else {},
     }
-    if scaling and "rope_type" not in out["rope_scaling"]:
-        out["rope_scaling"]["rope_type"] = rope_type
     return out
+
+
+# RoPE types the trainer builds: none (transformers' "default") and Llama 3.1's frequency rule
+ROPE_TYPES = ("default", "llama3")
+LLAMA3_KEYS = ("rope_type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope(hf: Dict[str, Any], key: str):
+    """(theta, scaling with its ``rope_type``, the field naming the type) from either form
+    ``config.json`` takes. transformers 5 writes one ``rope_parameters`` object holding
+    ``rope_theta`` and ``rope_type`` (``default``: no scaling) with the type's own fields
+    (``LlamaConfig(...).to_dict()`` in 5.25 keeps nothing at the top level); transformers 4 wrote
+    ``rope_theta`` at the top level and a ``rope_scaling`` object (or null) whose type is under
+    ``rope_type`` or, older, ``type``. Both present (a config edited by hand, or converted) must
+    agree, or it is refused by name rather than one of them guessed."""
+    params = hf.get("rope_parameters")
+    legacy = hf.get("rope_scaling") or {}
+    top = hf.get("rope_theta")
+    if params is None:
+        scaling = dict(legacy)
+        if "type" in scaling and "rope_type" not in scaling:
+            scaling["rope_type"] = scaling.pop("type")
+        return float(top if top is not None else 10000.0), scaling, "rope_scaling.rope_type"
+    if not isinstance(params, dict) or "rope_theta" not in params:
+        # per attention type ({"full_attention": {...}, "sliding_attention": {...}}) is another family's
+        raise HFConfigError(f"{key}: rope_parameters={params!r} is not one RoPE (rope_theta, rope_type) as Llama's")
+    theta = float(params["rope_theta"])
+    if top is not None and float(top) != theta:
+        raise HFConfigError(f"{key}: rope_theta={top} and rope_parameters.rope_theta={theta} disagree")
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    old = legacy.get("rope_type", legacy.get("type")) if legacy else None
+    if old is not None and old != scaling["rope_type"]:
+        raise HFConfigError(
+            f"{key}: rope_scaling.rope_type={old!r} and rope_parameters.rope_type={scaling['rope_type']!r} disagree"
+        )
+    return theta, scaling, "rope_parameters.rope_type"
 
 
 def apply(cfg: DictConfig) -> Optional[str]:
