@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from orchestrator import chips
 from orchestrator.launch import trial_nodes
 from orchestrator.layout import Layout
+from orchestrator.validate_env import env_rules
 from orchestrator.validate_inputs import data_rules, weights_rules
 from orchestrator.validate_layout import layout_rules
 from trainers import rules
@@ -173,6 +174,7 @@ def validate(cfg: DictConfig) -> List[str]:
     # precision, overlap and evaluation keys: each acts, or is refused here (tests/test_knobs.py)
     _knob_rules(cfg, err)
     _chip_rules(cfg, lay, err)
+    env_rules(cfg, err)
     data_rules(cfg, err)
     if not cfg.tracking.experiment:
         err("tracking.experiment: must not be empty")
