@@ -17,9 +17,12 @@ from typing import Any, Dict, Optional
 # checkpoints, with the torch._dynamo and sympy they pull in) and rank 0's reporter (MLflow's
 # client on its sqlalchemy store). A worker that forks with these loaded imports about 20 modules
 # instead of about 1200: on the 2-core CPU machine a dp2 gpt_tiny trial after the first in a
-# driver costs 1.57 CPU-seconds instead of 3.84 (bench/worker_start.py). torch_npu is not among them: its
-# import initialises the NPU runtime, which must happen in the worker. A name here that no longer
-# imports is skipped by the server without a word, so tests/test_cache.py imports each.
+# driver costs 1.57 CPU-seconds instead of 3.84 (bench/worker_start.py). torch_npu needs no name here:
+# where it is installed, `import torch` loads it (its `torch.backends` entry point,
+# `torch_npu:_autoload`, torch_npu's setup.py), and its import starts no NPU runtime (that is
+# `torch_npu.npu._lazy_init`, at the first device call, which each worker makes itself: forking
+# before it is safe, as for CUDA). A name here that no longer imports is skipped by the server
+# without a word, so tests/test_cache.py imports each.
 FORKSERVER_PRELOAD = (
     "torch",
     "torch.distributed",

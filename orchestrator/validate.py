@@ -249,10 +249,26 @@ def _chip_rules(cfg: DictConfig, lay: Layout, err: Callable[[str], None]) -> Non
     for key in ("precision.param_dtype", "precision.compute_dtype"):
         if _get(cfg, key) in DTYPES and _get(cfg, key) not in chip.dtypes:
             err(f"{key}={_get(cfg, key)} is not supported by chip={chip.name} (supports {', '.join(chip.dtypes)})")
+    if cfg.comm.compression == "bf16" and "bf16" not in chip.dtypes:
+        err(
+            f"comm.compression=bf16 casts gradients to bf16, which chip={chip.name} does not support "
+            f"(supports {', '.join(chip.dtypes)}); use comm.compression=fp16 or none"
+        )
     if m.attn_impl == "npu_fused" and chip.device_type != "npu":
         err(
             f"model.attn_impl=npu_fused is torch_npu's kernel for Ascend NPUs, and chip={chip.name} is a "
             f"{chip.device_type} chip; use model.attn_impl=fused or decomposed"
+        )
+    if t.compile and m.attn_impl == "npu_fused" and float(m.dropout) > 0 and chip.device_type == "npu":
+        # TorchAir's converter for npu_fusion_attention raises NotImplementedError for keep_prob
+        # != 1; under aot_eager the op's meta kernel gives seed 0, offset 0 and numels 0, which
+        # the derivative hands to npu_fusion_attention_grad (op-plugin _meta_registrations.py,
+        # derivatives.yaml): the backward regenerates an empty dropout mask, a silently wrong grad
+        err(
+            f"trainer.compile=true with model.attn_impl=npu_fused and model.dropout={m.dropout}: a compiled "
+            "npu_fusion_attention loses its dropout mask between forward and backward (aot_eager traces "
+            "seed 0, TorchAir refuses keep_prob<1); set model.dropout=0, trainer.compile=false or "
+            "model.attn_impl=decomposed"
         )
     if t.compile and t.compile_backend == "torchair" and chip.device_type != "npu":
         err(f"trainer.compile_backend=torchair compiles for Ascend NPUs only, and chip={chip.name} is not one")

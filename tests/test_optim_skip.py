@@ -108,6 +108,9 @@ def test_the_foreach_path_reads_the_flag_only_when_asked():
 
 
 def test_fused_runs_where_the_kernel_is_and_foreach_elsewhere():
+    """Not on the NPU: op-plugin's ``_fused_adamw_`` ignores ``grad_scale`` and ``found_inf``
+    (``FusedAdamWKernelNpuOpApi.cpp``), so a loss-scaled step would apply the scaled gradient and an
+    overflowed one would not be skipped; the foreach path above does both itself."""
     assert optim_mod.fused_on("cpu") and optim_mod.fused_on("cuda") and not optim_mod.fused_on("npu")
 
 

@@ -146,10 +146,12 @@ def fused_on(device_type: str) -> bool:
     the gradients by a device tensor and skips an overflowed step by a device flag
     (``grad_scale`` / ``found_inf``, the protocol ``torch.amp.GradScaler`` drives; DTensor
     parameters dispatch it shard by shard). CUDA and CPU have the kernel (``_fused_adamw_``, CPU
-    since torch 2.4). Not on Ascend: torch_npu routes ``fused=True`` to ``aclnnApplyAdamWV2``
-    only on recent stacks, and recipes written for it turn it off ("fused: False # not
-    supported on Ascend NPU device", torchtune's NPU recipes), so the NPU takes the foreach path
-    (:func:`step`)."""
+    since torch 2.4). Not on Ascend: op-plugin's ``_fused_adamw_``
+    (``op_plugin/ops/opapi/FusedAdamWKernelNpuOpApi.cpp``, master of 2026-08-21) takes
+    ``grad_scale`` and ``found_inf`` and ignores both, calling ``aclnnApplyAdamWV2`` per tensor with
+    the raw gradient: the loss scale would never be divided out and an overflowed fp16 step would
+    be applied. So the NPU takes the foreach path (:func:`step`), which unscales and skips itself
+    (``tests/test_optim_skip.py``)."""
     return device_type in ("cuda", "cpu")
 
 

@@ -101,9 +101,11 @@ def init_process_group(
     rt: RuntimeConfig, device: Optional[torch.device] = None, store: Optional[dist.Store] = None
 ) -> None:
     """Join the trial's process group (env:// variables from the launcher). ``device``: the
-    worker's accelerator, passed as ``device_id`` (torch binds the group to it and creates the
-    NCCL/HCCL communicator at once, so a bad device or network fails here rather than in the
-    first collective); None or the CPU: no binding (gloo). Under torch's elastic agent, a
+    worker's accelerator, passed as ``device_id`` (torch binds the group to it; for NCCL, whose
+    backend supports splitting, it also creates the communicator at once, so a bad device or
+    network fails here rather than in the first collective; torch_npu's ProcessGroupHCCL
+    implements neither ``supportsSplitting`` nor ``eagerConnectSingleDevice`` (v7.3.0-pytorch2.7.1),
+    so HCCL still connects at the first collective); None or the CPU: no binding (gloo). Under torch's elastic agent, a
     restarted worker group reuses the agent's store: its keys are prefixed with the restart
     count, or the new ranks would read the dead ranks' addresses and fail to connect. ``store``: a
     store the launcher already holds for this trial (a warm worker group's: rank 0 bound its port
