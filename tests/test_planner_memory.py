@@ -100,9 +100,15 @@ def test_comm_buffers_per_communicator_and_ddp_buckets():
     comm = OmegaConf.merge(DEFAULTS.comm, {"buffsize_mb": 200})
     s = ParallelShape(dp=2, tp=2, pp=2, microbatches=4, micro_batch=1, seq_len=2048)
     mp = planner.memory_plan(m, s, precision(), comm, chip, DEFAULTS.planner)
-    # world + dp + tp groups, and one pipeline neighbour on either end stage
-    assert mp.communicators == 4
-    assert mp.comm_buffers == 4 * 2 * 200 * 2**20
+    # world, dp, tp and pp groups (batch_isend_irecv runs on the pp group's communicator), and a
+    # point-to-point communicator of P2P_HCCL_BUFFSIZE (20 MB) with the one neighbour of an end
+    # stage (plain isend/irecv): torch_npu's ProcessGroupHCCL
+    assert mp.communicators == 5
+    assert mp.comm_buffers == 4 * 2 * 200 * 2**20 + 2 * 20 * 2**20
+    wide = OmegaConf.merge(comm, {"env": {"P2P_HCCL_BUFFSIZE": "50"}})
+    assert planner.memory_plan(m, s, precision(), wide, chip, DEFAULTS.planner).comm_buffers == (
+        4 * 2 * 200 * 2**20 + 2 * 50 * 2**20
+    )
     # the TP replicas' buckets copy every gradient, made as the last backward frees the
     # activations: they add what exceeds them (nothing here)
     assert mp.dp_buffers == pytest.approx(max(0.0, mp.grads - mp.activations)) == 0.0

@@ -22,6 +22,7 @@ from orchestrator.planner.memory import (
     compose_memory_plan,
     dp_buffer_bytes,
     model_state,
+    p2p_communicator_bytes,
     state_bytes,
 )
 from orchestrator.planner.preflight import NOT_YET
@@ -99,7 +100,10 @@ class FastPlanner:
             for ck in (False, True)
             for g in ("full", "selective")
         }
-        self.comm_bytes = communicator_bytes(ch.dist_backend, cm, pl)
+        self.comm_bytes = (
+            communicator_bytes(ch.dist_backend, cm, pl),
+            p2p_communicator_bytes(ch.dist_backend, cm, pl),
+        )
         self.host = HostCosts.of(pl)
         self._contents: Dict[Tuple, Any] = {}
         self._state: Dict[Tuple, ModelState] = {}

@@ -16,7 +16,9 @@
   reference, HCCL_BUFFSIZE: "每个通信域占用 2*HCCL_BUFFSIZE 大小的内存"), NCCL per channel and
   ring neighbour its three protocols' buffers (:func:`communicator_bytes`, ~294 MiB with 16
   channels: an estimate, ``planner.nccl_channels``, calibrated by ``bench/comm_memory.py``);
-  communicators are the world, dp, tp groups and the pipeline neighbours a rank talks to. Data parallelism
+  communicators are the world, dp, tp groups and the pipeline neighbours a rank talks to (on
+  HCCL the pipeline group's too, and each neighbour's point-to-point communicator holds
+  ``2 x P2P_HCCL_BUFFSIZE``, 20 MB by default: :func:`communicators`). Data parallelism
   (:func:`dp_buffer_bytes`): DDP keeps a flat copy of every gradient in its buckets unless
   ``gradient_as_bucket_view`` (torch docs), as do the TP replicas' buckets; FSDP gathers one
   block's parameters while prefetching the next, ``zero1`` keeps every unit gathered for the
@@ -117,15 +119,23 @@ def model_state_bytes(
     return [rank_model_state(m, s, precision, planner, r).as_dict() for r in range(s.world)]
 
 
-def communicators(s: ParallelShape, rank: int) -> int:
-    """Process groups (HCCL/NCCL communicators) one rank belongs to."""
+def communicators(s: ParallelShape, rank: int, backend: str = "nccl") -> Tuple[int, int]:
+    """(group communicators, point-to-point ones) one rank holds: the world, dp and tp groups,
+    and for a pipeline a point-to-point communicator with each neighbour (ZB-V's V also joins
+    rank 0 and rank p-1). On HCCL the pipeline group has a communicator of its own as well:
+    ``batch_isend_irecv`` runs as a collective on the group's communicator (torch_npu
+    ``ProcessGroupHCCL::batch_isend_irecv``), plain ``isend``/``irecv`` on a communicator per pair
+    of ``P2P_HCCL_BUFFSIZE`` (``ProcessGroupHCCL::pointToPoint``, ``getKeySendRecv``;
+    v7.3.0-pytorch2.7.1); torch's pipeline schedules take the first for mixed batches and, since
+    they split homogeneous ones, the second for the rest, so both are counted."""
     n = 1 if s.world > 1 else 0
     n += 1 if 1 < s.dp < s.world else 0
     n += 1 if 1 < s.tp < s.world else 0
+    p2p = 0
     if s.pp > 1:
-        n += (rank > 0) + (rank < s.pp - 1)  # send/recv with each pipeline neighbour
-        n += 1 if s.schedule == "zbv" else 0  # the V returns to rank 0 from rank p-1
-    return n
+        p2p = (rank > 0) + (rank < s.pp - 1) + (s.schedule == "zbv")
+        n += 1 if backend == "hccl" and s.pp < s.world else 0
+    return n, p2p
 
 
 # NCCL's per-connection buffers beside NCCL_BUFFSIZE's Simple-protocol FIFO: LL128 (120 x 640
@@ -133,6 +143,19 @@ def communicators(s: ParallelShape, rank: int) -> int:
 # NCCL's DEFAULT_LL128_BUFFSIZE and DEFAULT_LL_BUFFSIZE (src/include/device.h)
 NCCL_LL128_BYTES = 120 * 640 * 8 * 8
 NCCL_LL_BYTES = 8 * 512 * 8 * 16
+
+
+# P2P_HCCL_BUFFSIZE's default, MB (torch_npu OptionsManager::GetP2PBufferSize: 20 unless set)
+P2P_HCCL_BUFFSIZE_MB = 20
+
+
+def p2p_communicator_bytes(backend: str, comm: DictConfig, planner: DictConfig) -> float:
+    """Device memory of one point-to-point communicator: on HCCL ``2 x P2P_HCCL_BUFFSIZE``
+    (``comm.env`` may set it), elsewhere a communicator like any other."""
+    if backend == "hccl":
+        env = comm.get("env") or {}
+        return 2 * float(env.get("P2P_HCCL_BUFFSIZE", P2P_HCCL_BUFFSIZE_MB)) * MiB
+    return communicator_bytes(backend, comm, planner)
 
 
 def communicator_bytes(backend: str, comm: DictConfig, planner: DictConfig) -> float:
@@ -250,7 +273,7 @@ def compose_memory_plan(
     ab: ActBytes,
     chip: Any,
     planner: Any,
-    comm_bytes: float,
+    comm_bytes: Tuple[float, float],
     contents: Callable[[int], Any],
     state: Callable[[int], ModelState],
     dp_buffers: Callable[[Any, int], float],
@@ -272,17 +295,17 @@ def compose_memory_plan(
             # the TP replicas' buckets are made during the last backward, as it frees the
             # activations: they add only what exceeds them (measured: tests/test_step_peak.py)
             dp_buf = max(0.0, dp_buf - act)
-        n_comm = communicators(s, rank)
+        n_comm, n_p2p = communicators(s, rank, str(chip.dist_backend))
         plan = MemoryPlan(
             params=float(st.params),
             grads=float(st.grads),
             optimizer=float(st.optimizer),
             activations=act,
-            comm_buffers=n_comm * comm_bytes,
+            comm_buffers=n_comm * comm_bytes[0] + n_p2p * comm_bytes[1],
             dp_buffers=dp_buf,
             overhead=reserve + fraction * (st.total + act),
             rank=rank,
-            communicators=n_comm,
+            communicators=n_comm + n_p2p,
             chip_memory_gb=float(chip.memory_gb),
             headroom=float(planner.headroom),
         )
@@ -304,7 +327,10 @@ def memory_plan(
         ActBytes.of(precision, m, str(chip.device_type)),
         chip,
         planner,
-        communicator_bytes(chip.dist_backend, comm, planner),
+        (
+            communicator_bytes(chip.dist_backend, comm, planner),
+            p2p_communicator_bytes(chip.dist_backend, comm, planner),
+        ),
         contents=lambda rank: rank_contents(m, s, rank),
         state=lambda rank: model_state(m, s, precision, planner, rank),
         dp_buffers=lambda rc, rank: dp_buffer_bytes(m, s, comm, planner, rank_params(m, s, rc), pb, gb, rc),
