@@ -11,7 +11,10 @@ corpus and the tiny presets), or a Hugging Face ``tokenizer.json`` (the file, or
 holding it; read by the ``tokenizers`` package, the optional extra ``hf``), with
 ``--append-eod`` adding the end-of-document id after each document as Megatron's
 ``preprocess_data.py`` does (the id of ``tokenizer_config.json``'s ``eos_token``, or
-``--eod-token``). The ids are stored as uint16 below a vocabulary of 65,500 and int32 above it, as
+``--eod-token``). As Megatron with ``--tokenizer-type HuggingFaceTokenizer``, each document gets the
+tokenizer's own special tokens (a leading BOS for Llama 2 and 3; ``--no-special-tokens`` leaves
+them out) and an empty document no tokens at all, so one prepared corpus means the same in both.
+The ids are stored as uint16 below a vocabulary of 65,500 and int32 above it, as
 Megatron chooses. ``PREFIX.tokenizer.json`` beside the pair records the tokenizer and its
 vocabulary size (Megatron ignores it); the validator refuses a corpus whose tokenizer's
 vocabulary exceeds ``model.vocab_size``. A SentencePiece-only model (``tokenizer.model`` without a
@@ -79,9 +82,15 @@ class HFTokenizer:
             if self.eod is None:
                 raise ValueError(f"--eod-token {name}: not in {file}'s vocabulary")
 
-    def encode(self, text: str, append_eod: bool) -> np.ndarray:
-        ids = self.tok.encode(text, add_special_tokens=False).ids
-        if append_eod:
+    def encode(self, text: str, append_eod: bool, special_tokens: bool = True) -> np.ndarray:
+        """As Megatron-LM's ``preprocess_data.py`` with ``--tokenizer-type HuggingFaceTokenizer``
+        encodes a document: the tokenizer's own special tokens (its post-processor: a leading
+        BOS for Llama 2 and 3; ``transformers``' ``tokenizer(text).input_ids``, which Megatron
+        calls, runs the same ``tokenizer.json``), then the end-of-document id when the document
+        has any id at all (an empty text without a BOS stays empty: Megatron writes no tokens for
+        it)."""
+        ids = self.tok.encode(text, add_special_tokens=special_tokens).ids
+        if append_eod and ids:
             if self.eod is None:
                 raise ValueError("--append-eod: the tokenizer names no eos_token; give --eod-token")
             ids.append(self.eod)
@@ -142,7 +151,7 @@ def _write_corpus(args: argparse.Namespace) -> Dict[str, Any]:
     else:
         tok = HFTokenizer(args.tokenizer, args.eod_token)
         dtype, vocab, name = tok.dtype, tok.vocab_size, tok.path
-        docs = [tok.encode(t, args.append_eod) for t in documents(args.input, args.json_key)]
+        docs = [tok.encode(t, args.append_eod, args.special_tokens) for t in documents(args.input, args.json_key)]
     Path(args.output_prefix).parent.mkdir(parents=True, exist_ok=True)
     n = indexed.write(args.output_prefix, docs, dtype)
     Path(f"{args.output_prefix}.tokenizer.json").write_text(json.dumps({"tokenizer": name, "vocab_size": vocab}))
@@ -164,6 +173,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tokenizer", default="bytes", help="bytes, or a tokenizer.json (or the folder holding it)")
     ap.add_argument("--append-eod", action="store_true", help="the end-of-document id after each document")
     ap.add_argument("--eod-token", help="that token (default: tokenizer_config.json's eos_token)")
+    ap.add_argument(
+        "--no-special-tokens",
+        dest="special_tokens",
+        action="store_false",
+        help="leave out the tokenizer's own special tokens (its BOS); by default they are added, as Megatron-LM does",
+    )
     ap.add_argument("--inspect", metavar="PREFIX", help="print what an indexed corpus holds")
     cli.add_json_arg(ap, "the corpus's figures")
     args = ap.parse_args(argv)

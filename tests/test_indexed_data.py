@@ -29,12 +29,14 @@ def test_the_files_are_megatron_s_layout(tmp_path):
     raw = (tmp_path / "c_text_document.idx").read_bytes()
     assert raw[:9] == b"MMIDIDX\x00\x00"
     version, code, n_seq, n_doc = struct.unpack_from("<QBQQ", raw, 9)
-    assert (version, code, n_seq, n_doc) == (1, 8, 4, 5)  # 8: uint16; documents + 1 indices
+    # 8: uint16; documents + 1 indices. The empty document is a document of no sequence, as
+    # Megatron's IndexedDatasetBuilder.add_document records one given no lengths
+    assert (version, code, n_seq, n_doc) == (1, 8, 3, 5)
     off = 9 + 8 + 1 + 8 + 8
-    assert list(np.frombuffer(raw, np.int32, 4, off)) == [3, 0, 5, 10]
-    assert list(np.frombuffer(raw, np.int64, 4, off + 16)) == [0, 6, 6, 16]  # byte offsets
-    assert list(np.frombuffer(raw, np.int64, 5, off + 48)) == [0, 1, 2, 3, 4]
-    assert len(raw) == off + 48 + 40
+    assert list(np.frombuffer(raw, np.int32, 3, off)) == [3, 5, 10]
+    assert list(np.frombuffer(raw, np.int64, 3, off + 12)) == [0, 6, 16]  # byte offsets
+    assert list(np.frombuffer(raw, np.int64, 5, off + 36)) == [0, 1, 1, 2, 3]
+    assert len(raw) == off + 36 + 40
     bin_ = np.fromfile(tmp_path / "c_text_document.bin", dtype="<u2")
     assert list(bin_) == [t for d in DOCS for t in d]
     ix = indexed.IndexedTokens(prefix)

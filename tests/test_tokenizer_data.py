@@ -107,3 +107,68 @@ def test_a_sentencepiece_only_folder_and_a_missing_eos_are_one_line(tokenizer_fo
     assert data_cli.main(args) == 2
     assert "--append-eod: the tokenizer names no eos_token; give --eod-token" in capsys.readouterr().err
     assert not (tmp_path / "y.bin").exists() and not (tmp_path / "x.bin").exists()
+
+
+BOS = "<|begin_of_text|>"
+
+
+def _bos_folder(tokenizer_folder, root):
+    """The tiny BPE with Llama 3's post-processor: a BOS before every text (TemplateProcessing,
+    as Llama 3's tokenizer.json carries it), and the tokenizer_config.json transformers reads."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(tokenizer_folder / "tokenizer.json"))
+    tok.add_special_tokens([BOS])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    folder = root / "tiny-bpe-bos"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("bos", [True, False], ids=["bos-adding", "plain"])
+def test_the_corpus_is_what_megatron_preprocessing_writes(tokenizer_folder, tmp_path, bos):
+    """Megatron-LM's ``tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer
+    --append-eod`` writes, for each JSONL document, ``tokenizer(text).input_ids`` (transformers'
+    AutoTokenizer: the tokenizer's special tokens included, so Llama 3's leading BOS) and the EOD
+    after it when that list is not empty, and nothing for a document with no ids (an empty
+    document in the index: no sequence). The expected ids come from transformers' own tokenizer
+    on the same folder; before, this command added no BOS (seen failing on that code: the first
+    id was the text's, not the BOS) and wrote a lone EOD for an empty text."""
+    import transformers  # a test dependency (pyproject's [test])
+
+    if bos:
+        folder = _bos_folder(tokenizer_folder, tmp_path)
+    else:
+        folder = tmp_path / "tiny-bpe"
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text((tokenizer_folder / "tokenizer.json").read_text())
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS}
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    texts = [TEXTS[0], "", TEXTS[1], TEXTS[2]]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    prefix = tmp_path / "docs_text_document"
+    args = ["--input", str(src), "--output-prefix", str(prefix), "--tokenizer", str(folder), "--append-eod"]
+    assert data_cli.main(args) == 0
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    want = []
+    for t in texts:
+        ids = hf(t).input_ids
+        want.append(ids + [hf.eos_token_id] if ids else [])
+    ix = IndexedTokens(str(prefix))
+    assert ix.n_documents == len(texts)
+    assert [ix.document(d).tolist() for d in range(len(texts))] == want
+    assert len(ix.lengths) == sum(1 for w in want if w)  # the empty document holds no sequence
+    if bos:
+        assert want[0][0] == hf.bos_token_id and want[1] == [hf.bos_token_id, hf.eos_token_id]
+    else:
+        assert want[1] == []
+    args.append("--no-special-tokens")
+    assert data_cli.main(args) == 0
+    plain = IndexedTokens(str(prefix))
+    assert plain.document(0).tolist() == hf(texts[0], add_special_tokens=False).input_ids + [hf.eos_token_id]

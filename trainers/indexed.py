@@ -104,30 +104,35 @@ def best_dtype(vocab_size: int) -> np.dtype:
 
 def write(prefix: str | Path, documents: Iterable[Sequence[int]], dtype: np.dtype | type = np.uint16) -> int:
     """Write ``documents`` (each one sequence of token ids) as ``PREFIX.bin`` / ``PREFIX.idx``;
-    returns the number of documents. Written under temporary names and renamed, index last."""
+    returns the number of documents. An empty document is a document of no sequence, as
+    Megatron's ``IndexedDatasetBuilder.add_document`` records one given no lengths. Written under
+    temporary names and renamed, index last."""
     dtype = np.dtype(dtype)
     if dtype not in CODES:
         raise ValueError(f"dtype {dtype} has no Megatron code")
     prefix = str(prefix)
     lengths: List[int] = []
+    bounds: List[int] = [0]  # document d is sequences [bounds[d], bounds[d + 1])
     tmp_bin, tmp_idx = f"{prefix}.bin.tmp{os.getpid()}", f"{prefix}.idx.tmp{os.getpid()}"
     with open(tmp_bin, "wb") as f:
         for doc in documents:
             arr = np.asarray(doc, dtype=dtype)
-            f.write(arr.tobytes())
-            lengths.append(len(arr))
+            if len(arr):  # one sequence per document
+                f.write(arr.tobytes())
+                lengths.append(len(arr))
+            bounds.append(len(lengths))
     n = len(lengths)
     lens = np.asarray(lengths, dtype=np.int32)
     pointers = np.zeros(n, dtype=np.int64)
     if n:
         pointers[1:] = np.cumsum(lens[:-1].astype(np.int64)) * dtype.itemsize
-    documents_idx = np.arange(n + 1, dtype=np.int64)  # one sequence per document
+    documents_idx = np.asarray(bounds, dtype=np.int64)
     with open(tmp_idx, "wb") as f:
         f.write(HEADER)
-        f.write(struct.pack("<QBQQ", VERSION, CODES[dtype], n, n + 1))
+        f.write(struct.pack("<QBQQ", VERSION, CODES[dtype], n, len(bounds)))
         f.write(lens.tobytes())
         f.write(pointers.tobytes())
         f.write(documents_idx.tobytes())
     os.replace(tmp_bin, prefix + ".bin")
     os.replace(tmp_idx, prefix + ".idx")
-    return n
+    return len(bounds) - 1
