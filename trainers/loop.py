@@ -30,6 +30,7 @@ from trainers.memory import model_state_bytes
 from trainers.model import GPT, count_params
 from trainers.monitor import FiniteTracker, PrecisionMonitor
 from trainers.optim import lr_at
+from trainers.overflow import SaturationFlag
 from trainers.parallel import acc_dtype, global_grad_norm, param_checksum
 from trainers.precision import LossScaler, grad_multiplier
 from trainers.profiling import METRIC_KEYS, Profiler
@@ -96,6 +97,8 @@ class Loop:
     def _build_model(self, spec: TrialSpec) -> None:
         targs, device = self.targs, self.device
         self.scaler = LossScaler(self.pargs, device)
+        # a saturating NPU (910A) shows an fp16 overflow in its float status, not as inf
+        self.saturation = SaturationFlag.of(device, self.scaler.enabled)
         self.model = RankModel(spec, device, self.scaler)
         self.n_params = count_params_global(self.model.margs)
         self.step_ref = [0]
@@ -191,11 +194,13 @@ class Loop:
         for opt in self.optims:
             for group in opt.param_groups:
                 group["lr"] = lr
+        self.saturation.clear()
         loss = model.forward_backward([next(self.it) for _ in range(self.accum)])
         # the whole model's norm (across shards, stages and replicas) of the unscaled gradient, on
-        # the device; it is finite exactly when every gradient value is, so it is also the
-        # overflow flag, global like the norm: every rank skips the same steps
-        grad_norm = global_grad_norm(model.params, model.mesh) / scaler.scale
+        # the device; it is finite exactly when every gradient value is (and, on a saturating NPU,
+        # the float status shows no overflow), so it is also the overflow flag, global like the
+        # norm: every rank skips the same steps
+        grad_norm = global_grad_norm(model.params, model.mesh, self.saturation.local_inf()) / scaler.scale
         found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
         first_bad = self.tracker.local_first()
         stats = self.monitor.collect() if self.monitor.active else None

@@ -359,11 +359,14 @@ def _norms_fp32(xs: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 @torch.no_grad()
-def global_grad_norm(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> torch.Tensor:
+def global_grad_norm(
+    params: List[torch.nn.Parameter], mesh: Optional[Mesh], local_extra: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """The L2 norm of the whole model's gradient across TP shards, pipeline stages and replicas,
     each value counted once: sum over ranks of (local squares / copies), one all-reduce. A 0-dim
     tensor on the device: nothing is read back (it is also the step's overflow flag, finite
-    exactly when every gradient value is)."""
+    exactly when every gradient value is). ``local_extra``: added to this rank's sum before the
+    all-reduce (a saturating NPU's overflow as inf: ``trainers/overflow.py``)."""
     grads = [_materialise_partial(p.grad) for p in params if p.grad is not None]
     device = local(grads[0]).device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=acc_dtype(device), device=device)
@@ -377,6 +380,8 @@ def global_grad_norm(params: List[torch.nn.Parameter], mesh: Optional[Mesh]) -> 
         # The squares of the per-tensor norms are then summed in the accumulation dtype
         norms = torch.stack(_norms_fp32(xs)).to(total.dtype)
         total += (norms * norms).sum() / copies
+    if local_extra is not None:
+        total += local_extra.to(total.dtype)
     if mesh is not None and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
     return total.sqrt()
