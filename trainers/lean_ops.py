@@ -11,11 +11,20 @@ gradient, equal to autograd's to float rounding (``tests/test_lean_ops.py``).
 
 Under ``torch.compile`` the decomposition is used instead: Inductor's min-cut partition decides
 what a compiled block keeps (``orchestrator/planner/activations.py``, the fused count).
+
+On an Ascend NPU the lean RMSNorm is torch_npu's fused kernel, ``torch_npu.npu_rms_norm(x, gamma,
+epsilon) -> (y, rstd)`` (op-plugin ``op_plugin_functions.yaml``; its docs: ``rstd`` in fp32, the
+same saved set as :class:`_RMSNorm`'s, one kernel reading x and writing y; backward
+``npu_rms_norm_backward(dy, x, gamma, rstd)``), where its dtype pairs allow (:func:`npu_rms_norm_takes`)
+and the tensors are plain (a sequence-parallel norm's are DTensors, which have no sharding rule for
+it). Its reduction and product run in fp32 whatever ``dtype`` asks (the rstd it returns is fp32).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+import sys
+from typing import Any, Optional
 
 import torch
 
@@ -62,11 +71,51 @@ class _SwiGLU(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: Optional[torch.dtype]) -> torch.Tensor:
     """The lean RMSNorm, in ``dtype`` (None: x's), outside autocast (the caller's precision
-    policy decides the dtype, as ``trainers.model.in_dtype`` does)."""
+    policy decides the dtype, as ``trainers.model.in_dtype`` does); torch_npu's fused kernel on an
+    NPU that takes it."""
+    npu = _torch_npu(x)
     if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
-        return _RMSNorm.apply(x, w, eps, dtype or x.dtype)
+        return _rms_norm(npu, x, w, eps, dtype)
     with torch.autocast(x.device.type, enabled=False):
-        return _RMSNorm.apply(x, w, eps, dtype or x.dtype)
+        return _rms_norm(npu, x, w, eps, dtype)
+
+
+def _rms_norm(npu: Any, x: torch.Tensor, w: torch.Tensor, eps: float, dtype: Optional[torch.dtype]):
+    if npu is not None and npu_rms_norm_takes(x, w, _inf_nan(npu)):
+        return npu.npu_rms_norm(x, w, epsilon=eps)[0]
+    return _RMSNorm.apply(x, w, eps, dtype or x.dtype)
+
+
+# npu_rms_norm's (input, gamma) dtypes (op-plugin docs, torch_npu.npu_rms_norm): the Atlas A2/A3
+# training parts (910B and later) take 16-bit inputs with fp32 or same-dtype gamma; the Atlas
+# training series (910A) only equal fp16 or fp32 pairs
+NPU_RMS_NORM_PAIRS = {(torch.float16, torch.float16), (torch.float32, torch.float32)}
+NPU_RMS_NORM_PAIRS_A2 = NPU_RMS_NORM_PAIRS | {
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float32),
+}
+
+
+def npu_rms_norm_takes(x: torch.Tensor, w: torch.Tensor, a2: bool) -> bool:
+    """Whether torch_npu's kernel runs this norm: plain tensors (no DTensor) in a pair of dtypes
+    the part takes (``a2``: a 910B-class part, told by torch_npu's inf/nan mode support, which
+    starts at the 910B1 as the A2 dtype table does)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(x, DTensor) or isinstance(w, DTensor):
+        return False
+    return (x.dtype, w.dtype) in (NPU_RMS_NORM_PAIRS_A2 if a2 else NPU_RMS_NORM_PAIRS)
+
+
+def _torch_npu(x: torch.Tensor) -> Any:
+    """torch_npu where ``x`` is on an NPU (imported by then: the device exists only through it)."""
+    return sys.modules.get("torch_npu") if x.device.type == "npu" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _inf_nan(npu: Any) -> bool:
+    return bool(npu.npu.utils.is_support_inf_nan())
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

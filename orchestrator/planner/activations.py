@@ -62,6 +62,9 @@ class ActBytes:
     mask: int
     param: int
     fused_out_copy: bool = False  # the fused kernel's output is (b, heads, s, hd)-major: wo reads a copy
+    # torch_npu's fused RMSNorm runs the lean norm on an NPU (trainers/lean_ops.py): the same saved
+    # set (the input, gamma, a per-token rstd), one kernel each way (orchestrator/planner/traffic.py)
+    npu_kernels: bool = False
 
     @classmethod
     def of(cls, precision: Any, m: ModelShape, device_type: str = "cuda") -> "ActBytes":
@@ -79,6 +82,7 @@ class ActBytes:
             # wo's input is a view of it; the NPU kernel's BNSD output, and the CPU's for a
             # contiguous (RoPE-rotated) query, are (b, heads, s, hd)-major, so it is a copy
             fused_out_copy=device_type == "npu" or (device_type == "cpu" and not m.learned_pos),
+            npu_kernels=device_type == "npu",
         )
 
     @property

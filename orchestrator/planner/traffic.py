@@ -56,6 +56,9 @@ from orchestrator.planner.shapes import ModelShape, ParallelShape, work_factor
 # decomposition (model.lean_ops=false, and compiled blocks run eagerly): seven elementwise
 # products and a mean and their gradients, 31
 RMSNORM_PASSES, RMSNORM_DECOMPOSED_PASSES = 22.0, 31.0
+# torch_npu.npu_rms_norm on an NPU: read x, write y; its backward reads dy and x, writes dx (in
+# the residual stream's dtype: the kernel takes it as it comes, no casts around it)
+RMSNORM_NPU_PASSES = 5.0
 LAYERNORM_PASSES = 5.0  # native_layer_norm: read x, write y; backward read dy and x, write dx
 ROPE_PASSES = 26.5  # apply_rope: four half-width products, a sum, a difference, a stack; gradients
 # of one d_ff-wide tensor, forward and backward (the lean SwiGLU recomputes silu: 5 + 13; the
@@ -87,9 +90,15 @@ def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu
     readers = 3 + (2 if m.swiglu else 1)  # linears reading a norm's output: q, k, v; w1 (and w3)
     out = 12.0 * tdu * r  # two residual adds and the two gradient sums of the residual stream
     out += (readers - 2) * 3.0 * td * r  # the gradients of a norm's output summed over its readers
+    # the NPU's fused RMSNorm where the trainer calls it: the lean norm on plain tensors (a
+    # sequence-parallel norm's are DTensors: trainers/lean_ops.py npu_rms_norm_takes)
+    npu_rms = ab.npu_kernels and m.lean and not m.layernorm and not (sp and tp > 1)
     rms = RMSNORM_PASSES if m.lean else RMSNORM_DECOMPOSED_PASSES
-    out += 2 * (LAYERNORM_PASSES if m.layernorm else rms) * tdu * nb
-    if nb != r:  # in_dtype: the norm's input cast to its dtype and its output back, each way
+    if npu_rms:
+        out += 2 * RMSNORM_NPU_PASSES * tdu * r
+    else:
+        out += 2 * (LAYERNORM_PASSES if m.layernorm else rms) * tdu * nb
+    if nb != r and not npu_rms:  # in_dtype: the norm's input cast to its dtype and its output back, each way
         out += 2 * 4.0 * tdu * (r + nb)
     if r != lin:  # autocast: each linear casts its input, and its gradient back
         out += readers * 2.0 * td * (r + lin)
@@ -146,7 +155,9 @@ def layer_traffic_bytes(
     return _fused(m, seq, b, tp, sp, ab) if fused else _eager(m, seq, b, tp, sp, ab, cpu)
 
 
-def head_traffic_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes, fused: bool = False) -> float:
+def head_traffic_bytes(
+    m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes, fused: bool = False, sp: bool = False
+) -> float:
     """The final norm, the head's casts and the loss over this rank's vocabulary shard, forward
     and backward. Eager: ``cross_entropy`` on fp32 logits is 32 bytes a logit (log-softmax 8,
     the dense gradient ``nll_loss`` makes 4, the log-softmax's gradient 12, and their reads), 12
@@ -160,8 +171,11 @@ def head_traffic_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes, f
     # the lean RMSNorm's input gradient is written whole here, where a block's is summed into the
     # residual stream's (counted there): 4 passes more (measured: 4.1 fp32, 5.7 bf16)
     rms = RMSNORM_PASSES + 4.0 if m.lean else RMSNORM_DECOMPOSED_PASSES
-    out = (LAYERNORM_PASSES if m.layernorm else rms) * td * ab.norm
-    out += 4.0 * td * (ab.residual + ab.norm) if ab.norm != ab.residual else 0.0
+    if ab.npu_kernels and m.lean and not m.layernorm and not (sp and tp > 1):  # the NPU's fused RMSNorm
+        out = RMSNORM_NPU_PASSES * td * ab.residual
+    else:
+        out = (LAYERNORM_PASSES if m.layernorm else rms) * td * ab.norm
+        out += 4.0 * td * (ab.residual + ab.norm) if ab.norm != ab.residual else 0.0
     out += 2.0 * td * (ab.residual + ab.linear) if ab.residual != ab.linear else 0.0
     out += 2.0 * m.vocab / tp * m.d * (ab.param + ab.linear) if ab.weight_casts else 0.0
     return out + logits * (32.0 + (12.0 if ab.linear != 4 else 0.0))
@@ -181,5 +195,5 @@ def memory_seconds(
     # a compiled block traces the decomposition, not the lean functions (trainers/lean_ops.py)
     block = dataclasses.replace(m, lean=m.lean and not s.compiled)
     layer = layer_traffic_bytes(block, *args[1:], s.sequence_parallel, ab, s.fused, chip.device_type == "cpu")
-    per_mb = m.layers * layer * work_factor(m, s) + head_traffic_bytes(*args, ab, s.fused)
+    per_mb = m.layers * layer * work_factor(m, s) + head_traffic_bytes(*args, ab, s.fused, s.sequence_parallel)
     return per_mb * s.microbatches / s.pp / (gbps * 1e9 * float(planner.memory_efficiency))
