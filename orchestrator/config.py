@@ -56,6 +56,10 @@ class ChipConfig:
     host_copy_gbps: float = 0.0
     dtypes: List[str] = field(default_factory=lambda: ["fp32"])
     unsupported_ops: List[str] = field(default_factory=list)
+    # the operators the chip's framework registers, conf/op_tables/NAME.json (written by
+    # `python -m orchestrator.npu_ops` from a torch_npu release's own sources); None: every operator
+    # the model calls counts as native unless unsupported_ops names it
+    op_table: Optional[str] = None
     decompositions: Dict[str, str] = field(default_factory=dict)
     env: Dict[str, str] = field(default_factory=dict)
     # HCCL_EXEC_TIMEOUT's unit on this part: 0 any whole second (Atlas A2/A3), 68 on the

@@ -254,6 +254,11 @@ def _chip_rules(cfg: DictConfig, lay: Layout, err: Callable[[str], None]) -> Non
             f"comm.compression=bf16 casts gradients to bf16, which chip={chip.name} does not support "
             f"(supports {', '.join(chip.dtypes)}); use comm.compression=fp16 or none"
         )
+    if chip.get("op_table"):
+        from orchestrator.planner.operators import op_tables
+
+        if str(chip.op_table) not in op_tables():
+            err(f"chip.op_table={chip.op_table}: no such table in conf/op_tables (shipped: {', '.join(op_tables())})")
     if m.attn_impl == "npu_fused" and chip.device_type != "npu":
         err(
             f"model.attn_impl=npu_fused is torch_npu's kernel for Ascend NPUs, and chip={chip.name} is a "

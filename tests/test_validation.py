@@ -71,6 +71,7 @@ BROKEN = [
     (["model.attn_impl=npu_fused"], "model.attn_impl=npu_fused"),  # torch_npu's kernel, on a CPU chip
     (["trainer.compile=true", "trainer.compile_backend=torchair"], "trainer.compile_backend=torchair"),
     (["+chip=ascend910a", "chip.emulate=true", "precision=bf16"], "precision.compute_dtype=bf16"),
+    (["+chip=ascend910b", "chip.emulate=true", "chip.op_table=torch_npu-v0"], "chip.op_table=torch_npu-v0"),
     # the 910A has no bf16: its gradients cannot travel in it either
     (["+chip=ascend910a", "chip.emulate=true", "parallel=dp2", "comm.compression=bf16"], "comm.compression=bf16"),
     # a compiled npu_fusion_attention loses its dropout mask (aot_eager: seed 0; TorchAir: refused)

@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import yaml
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import cache
+from orchestrator import cache, conf_dir
 
 
 @functools.lru_cache(maxsize=32)
@@ -47,11 +47,53 @@ def captured_ops(model: DictConfig | Dict[str, Any], seq_len: int, compute_dtype
     return dict(_captured(json.dumps(body, sort_keys=True), int(seq_len), str(compute_dtype)))
 
 
+def op_table(name: str) -> Dict[str, List[str]]:
+    """``conf/op_tables/NAME.json``'s operators (``aten::name`` -> registered overloads), written
+    by ``python -m orchestrator.npu_ops``; FileNotFoundError names the file."""
+    return dict(_op_table(str(name)))
+
+
+@functools.lru_cache(maxsize=8)
+def _op_table(name: str) -> Tuple[Tuple[str, List[str]], ...]:
+    path = conf_dir() / "op_tables" / f"{name}.json"
+    return tuple(sorted(json.loads(path.read_text())["ops"].items()))
+
+
+@functools.lru_cache(maxsize=1)
+def op_tables() -> List[str]:
+    """The shipped tables' names."""
+    return sorted(p.stem for p in (conf_dir() / "op_tables").glob("*.json"))
+
+
+def composites(ops: Iterable[str]) -> List[str]:
+    """The operators among ``ops`` that torch implements as composites of other operators (an
+    overload with a CompositeExplicitAutograd or CompositeImplicitAutograd kernel: views,
+    ``stack``, ``slice_backward``...): they run on any backend that has the operators they call,
+    so a table of a backend's own kernels does not list them. Cached on disk by torch's version."""
+
+    def find() -> List[str]:
+        import torch
+
+        out = []
+        for op in ops:
+            packet = getattr(torch.ops.aten, op.split("::", 1)[1], None) if op.startswith("aten::") else None
+            names = [f"{op}.{o}" if o != "default" else op for o in (packet.overloads() if packet else [])]
+            keys = ("CompositeExplicitAutograd", "CompositeImplicitAutograd")
+            if any(torch._C._dispatch_has_kernel_for_dispatch_key(n, k) for n in names for k in keys):
+                out.append(op)
+        return out
+
+    ops = sorted(set(ops))
+    return cache.json_entry("composites", {"ops": ops, "torch": cache.version("torch")}, find)
+
+
 @dataclass
 class OpPlan:
     op: str
     plan: str  # native | mapped | custom
-    via: str = ""  # the decomposition (model.KEY=VALUE) or why a custom kernel is needed
+    # the decomposition (model.KEY=VALUE), why a custom kernel is needed, or for a native operator
+    # the chip's table does not list, "composite" (it runs on the operators it calls)
+    via: str = ""
     calls: int = 0
 
 
@@ -109,7 +151,8 @@ def _model_override(value: str, model: DictConfig | Dict[str, Any]) -> Optional[
 
 
 def op_coverage(model: DictConfig, seq_len: int, compute_dtype: str, chip: DictConfig) -> OpCoverage:
-    """Plan every operator of the model against the chip's table (``chip.unsupported_ops``,
+    """Plan every operator of the model against the chip's table (``chip.op_table``: the operators
+    its framework registers, a composite of torch's counting as native; ``chip.unsupported_ops``;
     ``chip.decompositions``: glob or prefix -> ``model.KEY=VALUE``): native, mapped to a decomposition
     the trainer applies through that model option, or a custom kernel to write. The mapped
     model is captured again, so a decomposition that itself needs a missing operator shows up
@@ -117,11 +160,23 @@ def op_coverage(model: DictConfig, seq_len: int, compute_dtype: str, chip: DictC
     unsupported = list(chip.unsupported_ops)
     decomps = {str(k): str(v) for k, v in chip.decompositions.items()}
     counts = captured_ops(model, seq_len, compute_dtype)
+    registered = op_table(chip.op_table) if chip.get("op_table") else None
+    composite = set(composites(op for op in counts if op not in registered)) if registered is not None else set()
+
+    def native(op: str) -> Optional[str]:
+        """None where the chip lacks ``op``; else how it runs ("" its own kernel, or "composite")."""
+        if _matches(op, unsupported):
+            return None
+        if registered is None or op in registered or not op.startswith("aten::"):
+            return ""  # torch_npu's own npu:: operators are its kernels
+        return "composite" if op in composite else None
+
     plans: List[OpPlan] = []
     overrides: Dict[str, Any] = {}
     for op, calls in sorted(counts.items()):
-        if not _matches(op, unsupported):
-            plans.append(OpPlan(op, "native", calls=calls))
+        how = native(op)
+        if how is not None:
+            plans.append(OpPlan(op, "native", how, calls))
             continue
         pattern = _matches(op, decomps)
         kv = _model_override(decomps[pattern], model) if pattern else None
@@ -142,8 +197,11 @@ def op_coverage(model: DictConfig, seq_len: int, compute_dtype: str, chip: DictC
             if isinstance(model, DictConfig)
             else {**model, **overrides}
         )
-        for op in captured_ops(mapped_model, seq_len, compute_dtype):
-            if op not in counts and _matches(op, unsupported):
+        mapped_ops = captured_ops(mapped_model, seq_len, compute_dtype)
+        if registered is not None:
+            composite |= set(composites(op for op in mapped_ops if op not in registered))
+        for op in mapped_ops:
+            if op not in counts and native(op) is None:
                 unresolved.append(op)
                 plans.append(OpPlan(op, "custom", "needed by the decomposition and unsupported", 0))
     return OpCoverage(plans, overrides, sorted(set(unresolved)))
