@@ -99,6 +99,8 @@ def single_process(overrides, reporter=None) -> dict:
 def _rank_main(rank: int, world: int, port: int, measure, specs: list, extra: tuple, out: str) -> None:
     """One spawned rank of :func:`on_ranks`: a gloo group, each spec's ``RankModel`` measured in
     turn (every rank finishing each before the next), its results saved to ``out/rank{r}.pt``."""
+    import datetime
+
     import torch
     import torch.distributed as dist
 
@@ -107,7 +109,9 @@ def _rank_main(rank: int, world: int, port: int, measure, specs: list, extra: tu
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # a rank that waits 5 minutes on a peer is stuck, not slow (these collectives take seconds):
+    # fail then, not after gloo's default 30
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
     cpu = torch.device("cpu")
     results = {}
     try:
