@@ -318,6 +318,8 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
                 signal.signal(signum, handler)
     if reporter is not None:
         tags = _undelivered(reporter, deliver=True)
+        # the backend variables as rank 0 ran with them (trainers.runtime.ran_with)
+        tags.update({f"env.{k}": v for k, v in ((result.get("summary") or {}).get("backend_env") or {}).items()})
         tracking.end_run(
             reporter.uri, reporter.run_id, result["status"], result.get("reason", ""), result.get("summary"), tags
         )

@@ -72,3 +72,17 @@ def test_the_cli_refuses_with_exit_2_and_runs_nothing(tmp_path, monkeypatch, cap
     assert "unset HCCL_BUFFSIZE, or give comm.buffsize_mb the exported value" in errors[0]
     db = tmp_path / "mlruns.db"
     assert not db.exists() or search_runs(f"sqlite:///{db}") == []
+
+
+def test_the_run_records_the_variables_its_ranks_ran_with(compose_cfg, mlflow_uri, monkeypatch):
+    """Each variable the config sets is a tag ``env.NAME`` of the run, as rank 0 read it after the
+    backend environment was applied; an honoured exported timeout shows as exported."""
+    from orchestrator import trial
+
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1800")
+    over = [*ASCEND, "trainer.steps=2", "+comm.env={MY_BACKEND_FLAG:on}", f"tracking.uri={mlflow_uri}"]
+    result = trial.run(compose_cfg(over), over, progress=False)
+    assert result["status"] == "finished", result.get("reason")
+    tags = search_runs(mlflow_uri)[0].data.tags
+    assert tags["env.MY_BACKEND_FLAG"] == "on" and tags["env.HCCL_BUFFSIZE"] == "200"
+    assert tags["env.HCCL_EXEC_TIMEOUT"] == "1800"  # exported, honoured, recorded

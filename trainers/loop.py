@@ -39,6 +39,7 @@ from trainers.runtime import (
     adopt_env,
     memory_gb,
     peak_memory_gb,
+    ran_with,
     release_memory,
     select_device,
     set_deterministic,
@@ -393,7 +394,7 @@ def worker_entry(
         adopt_env(env)
     device = setup(spec.runtime, int(os.environ.get("LOCAL_RANK", "0")), spec.trainer.deterministic, store)
     try:
-        return train(spec, reporter)
+        return ran_with(train(spec, reporter), spec.runtime, spec.trainer.deterministic)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

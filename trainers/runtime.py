@@ -13,7 +13,7 @@ import gc
 import importlib
 import os
 import resource
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,17 @@ def apply_env(env: Dict[str, str]) -> None:
     """Set backend variables (HCCL_BUFFSIZE, NCCL_BUFFSIZE, ...) unless the user already has."""
     for key, value in env.items():
         os.environ.setdefault(key, str(value))
+
+
+def ran_with(summary: Optional[Dict[str, Any]], rt: RuntimeConfig, deterministic: bool) -> Optional[Dict[str, Any]]:
+    """``summary`` with ``backend_env``: the value of every backend variable the config sets (and
+    ``trainer.deterministic``'s) as this worker ran with it, "" where unset. The validator refuses
+    an exported value that would override one of the config's, but HCCL's two timeouts may be
+    exported on purpose: the run records what the ranks used (``orchestrator/validate_env.py``)."""
+    if summary is not None:
+        names = sorted(set(rt.env) | (set(rules.determinism_env(rt.device_type)) if deterministic else set()))
+        summary["backend_env"] = {k: os.environ.get(k, "") for k in names}
+    return summary
 
 
 def select_device(rt: RuntimeConfig, local_rank: int) -> torch.device:
