@@ -145,27 +145,55 @@ def rendezvous_store(launch: Dict[str, Any]) -> Any:
     a window in which a second trial on the node took the same port: its agent, failing to bind,
     joined the first trial's store as a client (``c10d_rendezvous_backend._create_tcp_store`` tries
     that next), and the two trials' workers shared rendezvous keys (``/worker/attempt_0``): a gloo
-    rank connected to another trial's peer, which hung or corrupted the heap."""
+    rank connected to another trial's peer, which hung or corrupted the heap.
+
+    torch's per-process table of servers keeps a dead server's entry under its port until someone
+    asks for that port, and a server started on port 0 is not entered where one is (``emplace``):
+    when the kernel hands out the port of an earlier trial of this process, the agent would find
+    the dead entry and try to bind the port itself (EADDRINUSE, seen in CI). So the store is
+    checked as the agent will ask for it (:func:`_agent_finds`), and where that fails it is bound
+    again on its own port, which the check's lookup has cleared."""
+    host, asked = launch["master_addr"], int(launch["master_port"] or 0)
+    port = asked
+    for _ in range(RENDEZVOUS_BINDS):
+        try:
+            store = _store(host, port)
+        except (RuntimeError, ValueError) as err:  # DistNetworkError is a RuntimeError
+            if asked:
+                raise TrialFailed(
+                    "crash",
+                    f"launch.master_port={asked}: cannot bind the rendezvous store on {host} "
+                    f"({error_line(str(err))}); another job holds it, leave launch.master_port at 0 to take a free one",
+                ) from None
+            port = 0  # taken between a release and a bind below: another port
+            continue
+        if _agent_finds(host, store):
+            return store
+        port = store.port
+        del store  # not in torch's table: bound again on the same port, which the check cleared
+    raise TrialFailed("crash", f"launch: no rendezvous store the elastic agent finds in {RENDEZVOUS_BINDS} binds")
+
+
+RENDEZVOUS_BINDS = 5
+
+
+def _store(host: str, port: int) -> Any:
     import datetime
 
     from torch.distributed import TCPStore
 
-    port = int(launch["master_port"] or 0)
+    timeout = datetime.timedelta(seconds=120)
+    return TCPStore(host, port, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=timeout)
+
+
+def _agent_finds(host: str, store: Any) -> bool:
+    """Whether a multi-tenant master store on ``store``'s port, as torch's c10d rendezvous makes
+    one, is handed this store's server (False: it tried to bind the port anew and failed)."""
     try:
-        return TCPStore(
-            launch["master_addr"],
-            port,
-            is_master=True,
-            multi_tenant=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=120),
-        )
-    except (RuntimeError, ValueError) as err:  # DistNetworkError is a RuntimeError
-        raise TrialFailed(
-            "crash",
-            f"launch.master_port={port}: cannot bind the rendezvous store on {launch['master_addr']} "
-            f"({error_line(str(err))}); another job holds it, leave launch.master_port at 0 to take a free one",
-        ) from None
+        _store(host, store.port)
+    except (RuntimeError, ValueError):
+        return False
+    return True
 
 
 def launch_config(world_size: int, launch: Dict[str, Any], start_method: str, port: int) -> Any:

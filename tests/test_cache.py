@@ -157,3 +157,34 @@ def test_a_trial_whose_port_another_trial_holds_fails_by_name_and_starts_nothing
     assert result["status"] == "crash"
     assert f"launch.master_port={held.port}" in result["reason"] and "leave launch.master_port at 0" in result["reason"]
     assert "losses" not in result  # no worker ran
+
+
+def test_a_port_an_earlier_store_of_this_process_used_is_bound_again_where_the_agent_finds_it(monkeypatch):
+    """torch keeps a dead multi-tenant server's entry under its port, and a server started on
+    port 0 is not entered where an entry is: when the kernel hands out an earlier trial's port,
+    the elastic agent finds the dead entry, tries to bind the port itself and fails (EADDRINUSE:
+    a clean-clone CI run's test_resume, the second trial of one process). The launcher checks its
+    store as the agent will ask for it and binds the port again where that fails."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from orchestrator import launch
+
+    host, t = "127.0.0.1", datetime.timedelta(seconds=10)
+    first = TCPStore(host, 0, is_master=True, multi_tenant=True, wait_for_workers=False, timeout=t)
+    port = first.port
+    del first  # its entry stays, dead
+    calls = []
+    real = launch._store
+
+    def kernel_hands_out_the_old_port(h, p):
+        calls.append(p)
+        if len(calls) == 1:  # the port-0 bind landing on the old port, not entered in the table
+            return TCPStore(h, port, is_master=True, multi_tenant=False, wait_for_workers=False, timeout=t)
+        return real(h, p)
+
+    monkeypatch.setattr(launch, "_store", kernel_hands_out_the_old_port)
+    held = launch.rendezvous_store({"master_addr": host, "master_port": 0})
+    assert held.port == port and launch._agent_finds(host, held)
+    assert calls[0] == 0 and port in calls[1:]  # checked, then bound again on its own port
