@@ -227,8 +227,16 @@ def end_sweep(sweep: Dict[str, Any], status: str = "finished", reason: str = "")
     c = tracking.client(sweep["uri"])
     if status != "finished":
         trial_status = tracking.STATUS_KILLED if status == "killed" else "crash"
+        ended = (tracking.STATUS_OK, *tracking.FAILED_STATUSES)
         for r in _trial_runs(sweep):
-            if r.info.status == "RUNNING":
+            if r.info.status != "RUNNING":
+                continue
+            told = r.data.tags.get("trial.status")
+            if told in ended:
+                # its end was cut between its tags and its run status (tracking.end_run writes
+                # both; an interrupt can land between): what it ended as stands, its status follows
+                c.set_terminated(r.info.run_id, tracking.RUN_STATUS.get(told, "FAILED"))
+            else:
                 tracking.end_run(sweep["uri"], r.info.run_id, trial_status, f"the sweep's driver ended: {reason}")
     counts = log_progress(sweep)
     reused = f", {counts['trials_reused']} reused (finished before)" if counts["trials_reused"] else ""

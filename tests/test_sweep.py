@@ -167,3 +167,23 @@ def test_a_crashed_driver_ends_the_parent_failed_and_its_orphaned_trials(mlflow_
     assert c.get_run(orphan).data.tags["trial.status"] == "crash"
     callback.abandon(None)  # once closed, never again
     assert c.get_run(parent).data.tags["sweep.status"] == "failed"
+
+
+def test_an_interrupt_between_a_trial_s_tags_and_its_status_keeps_what_it_ended_as(mlflow_uri):
+    """``tracking.end_run`` writes a trial's tags, then its run status; a sweep interrupted between
+    the two found the run RUNNING and ended it ``killed``, over its ``finished`` (seen in a
+    clean-clone CI run of tests/test_auto_sweep.py: its first finished trial came back killed).
+    The end of such a run is completed as what it ended as; a trial with no end is killed."""
+    from orchestrator import sweep_parent, tracking
+
+    c = tracking.client(mlflow_uri)
+    exp = tracking.experiment_id(mlflow_uri, "cut", None)
+    parent = c.create_run(exp, tags={"sweep": "s1", "sweep.status": "running"}).info.run_id
+    done = c.create_run(exp, tags={"sweep": "s1", "trial.status": tracking.STATUS_OK}).info.run_id
+    running = c.create_run(exp, tags={"sweep": "s1"}).info.run_id
+    sweep = {"id": "s1", "parent_run_id": parent, "uri": mlflow_uri, "experiment": "cut", "experiment_id": exp}
+    sweep_parent.end_sweep(sweep, "killed", "SIGTERM")
+    got = {r.info.run_id: (r.info.status, r.data.tags.get("trial.status")) for r in search_runs(mlflow_uri, "cut")}
+    assert got[done] == ("FINISHED", tracking.STATUS_OK)
+    assert got[running] == ("KILLED", tracking.STATUS_KILLED)
+    assert got[parent][0] == "KILLED"
