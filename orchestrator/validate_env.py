@@ -14,7 +14,7 @@ process group's timeout is raised to outlast an exported one (``trainers.rules.c
 from __future__ import annotations
 
 import os
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from omegaconf import DictConfig
 
@@ -53,21 +53,18 @@ def env_rules(cfg: DictConfig, err: Callable[[str], None], environ: Optional[Map
     exports with another value."""
     environ = os.environ if environ is None else environ
     chip, comm = cfg.chip, cfg.comm
-    names = set(chip.env or {}) | set(comm.get("env") or {}) | set(DERIVED) | {"HCCL_DETERMINISTIC"}
+    device, deterministic = str(chip.device_type), bool(cfg.trainer.get("deterministic"))
+    names = set(chip.env or {}) | set(comm.get("env") or {}) | set(DERIVED) | set(rules.determinism_env(device))
     if not names & set(environ):  # the common case, and the search's thousands of points: no work
         return
     from orchestrator.chips import runtime
 
-    sets: Dict[str, tuple] = {}
-    for var, value in runtime(chip, comm, str(cfg.precision.compute_dtype)).env.items():
-        sets[var] = (_key(var, cfg), value)
-    if cfg.trainer.get("deterministic"):
-        for var, value in rules.determinism_env(str(chip.device_type)).items():
-            sets.setdefault(var, ("trainer.deterministic", value))
-    for var, (key, want) in sorted(sets.items()):
+    env = runtime(chip, comm, str(cfg.precision.compute_dtype)).env
+    for var, want in sorted(rules.backend_env(env, device, deterministic).items()):
         have = environ.get(var)
         if have is None or var in HONOURED or str(have) == str(want):
             continue
+        key = _key(var, cfg) if var in env else "trainer.deterministic"
         err(
             f"{key}={_value(cfg, key)} sets {var}={want}, but this shell exports "
             f"{var}={have}, which every worker would run with instead: unset {var}, or give {key} the "

@@ -232,6 +232,14 @@ def join_timeout_s(collective_s: float, backend: str) -> float:
     return max(float(collective_s), JOIN_TIMEOUT_FLOOR_S)
 
 
+def backend_env(env: Dict[str, str], device_type: str, deterministic: bool) -> Dict[str, str]:
+    """The backend variables a worker applies: ``env`` (the chip's and comm's, as
+    ``orchestrator.chips.runtime`` composes them) and, with ``trainer.deterministic``, the
+    device's :func:`determinism_env` where ``env`` does not set them (``trainers.runtime`` applies
+    ``env`` first, and an applied value stays)."""
+    return {**(determinism_env(device_type) if deterministic else {}), **env}
+
+
 def determinism_env(device_type: str) -> Dict[str, str]:
     """What a device's libraries need, beside ``torch.use_deterministic_algorithms``, to be
     deterministic; set before the first kernel and the first communicator. cuBLAS: a fixed

@@ -61,7 +61,7 @@ def ran_with(summary: Optional[Dict[str, Any]], rt: RuntimeConfig, deterministic
     an exported value that would override one of the config's, but HCCL's two timeouts may be
     exported on purpose: the run records what the ranks used (``orchestrator/validate_env.py``)."""
     if summary is not None:
-        names = sorted(set(rt.env) | (set(rules.determinism_env(rt.device_type)) if deterministic else set()))
+        names = sorted(rules.backend_env(rt.env, rt.device_type, deterministic))
         summary["backend_env"] = {k: os.environ.get(k, "") for k in names}
     return summary
 

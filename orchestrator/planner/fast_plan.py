@@ -18,11 +18,10 @@ from orchestrator.planner.activations import ActBytes
 from orchestrator.planner.memory import (
     MemoryPlan,
     ModelState,
-    communicator_bytes,
+    communicator_sizes,
     compose_memory_plan,
     dp_buffer_bytes,
     model_state,
-    p2p_communicator_bytes,
     state_bytes,
 )
 from orchestrator.planner.preflight import NOT_YET
@@ -100,10 +99,7 @@ class FastPlanner:
             for ck in (False, True)
             for g in ("full", "selective")
         }
-        self.comm_bytes = (
-            communicator_bytes(ch.dist_backend, cm, pl),
-            p2p_communicator_bytes(ch.dist_backend, cm, pl),
-        )
+        self.comm_bytes = communicator_sizes(ch.dist_backend, cm, pl)
         self.host = HostCosts.of(pl)
         self._contents: Dict[Tuple, Any] = {}
         self._state: Dict[Tuple, ModelState] = {}

@@ -149,13 +149,15 @@ NCCL_LL_BYTES = 8 * 512 * 8 * 16
 P2P_HCCL_BUFFSIZE_MB = 20
 
 
-def p2p_communicator_bytes(backend: str, comm: DictConfig, planner: DictConfig) -> float:
-    """Device memory of one point-to-point communicator: on HCCL ``2 x P2P_HCCL_BUFFSIZE``
-    (``comm.env`` may set it), elsewhere a communicator like any other."""
+def communicator_sizes(backend: str, comm: DictConfig, planner: DictConfig) -> Tuple[float, float]:
+    """Device memory of one group communicator (:func:`communicator_bytes`) and of one
+    point-to-point communicator: on HCCL ``2 x P2P_HCCL_BUFFSIZE`` (``comm.env`` may set it),
+    elsewhere a communicator like any other (the pair :func:`communicators` counts)."""
+    group = communicator_bytes(backend, comm, planner)
     if backend == "hccl":
         env = comm.get("env") or {}
-        return 2 * float(env.get("P2P_HCCL_BUFFSIZE", P2P_HCCL_BUFFSIZE_MB)) * MiB
-    return communicator_bytes(backend, comm, planner)
+        return group, 2 * float(env.get("P2P_HCCL_BUFFSIZE", P2P_HCCL_BUFFSIZE_MB)) * MiB
+    return group, group
 
 
 def communicator_bytes(backend: str, comm: DictConfig, planner: DictConfig) -> float:
@@ -327,10 +329,7 @@ def memory_plan(
         ActBytes.of(precision, m, str(chip.device_type)),
         chip,
         planner,
-        (
-            communicator_bytes(chip.dist_backend, comm, planner),
-            p2p_communicator_bytes(chip.dist_backend, comm, planner),
-        ),
+        communicator_sizes(chip.dist_backend, comm, planner),
         contents=lambda rank: rank_contents(m, s, rank),
         state=lambda rank: model_state(m, s, precision, planner, rank),
         dp_buffers=lambda rc, rank: dp_buffer_bytes(m, s, comm, planner, rank_params(m, s, rc), pb, gb, rc),

@@ -84,15 +84,20 @@ def _widths(m: ModelShape, seq: int, b: int, tp: int, sp: bool):
     return T, m.heads * hd / tp, m.kv_heads * hd / tp, m.d_ff / tp, T * m.d, T * m.d / (tp if sp else 1)
 
 
+def _npu_rms_norm(m: ModelShape, tp: int, sp: bool, ab: ActBytes) -> bool:
+    """Whether the NPU's fused RMSNorm runs a norm, as the trainer calls it: the lean norm on
+    plain tensors (a sequence-parallel norm's are DTensors: ``trainers/lean_ops.py
+    npu_rms_norm_takes``)."""
+    return ab.npu_kernels and m.lean and not m.layernorm and not (sp and tp > 1)
+
+
 def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu: bool) -> float:
     T, q_w, kv_w, f, td, tdu = _widths(m, seq, b, tp, sp)
     r, lin, nb = ab.residual, ab.linear, ab.norm
     readers = 3 + (2 if m.swiglu else 1)  # linears reading a norm's output: q, k, v; w1 (and w3)
     out = 12.0 * tdu * r  # two residual adds and the two gradient sums of the residual stream
     out += (readers - 2) * 3.0 * td * r  # the gradients of a norm's output summed over its readers
-    # the NPU's fused RMSNorm where the trainer calls it: the lean norm on plain tensors (a
-    # sequence-parallel norm's are DTensors: trainers/lean_ops.py npu_rms_norm_takes)
-    npu_rms = ab.npu_kernels and m.lean and not m.layernorm and not (sp and tp > 1)
+    npu_rms = _npu_rms_norm(m, tp, sp, ab)
     rms = RMSNORM_PASSES if m.lean else RMSNORM_DECOMPOSED_PASSES
     if npu_rms:
         out += 2 * RMSNORM_NPU_PASSES * tdu * r
@@ -171,7 +176,7 @@ def head_traffic_bytes(
     # the lean RMSNorm's input gradient is written whole here, where a block's is summed into the
     # residual stream's (counted there): 4 passes more (measured: 4.1 fp32, 5.7 bf16)
     rms = RMSNORM_PASSES + 4.0 if m.lean else RMSNORM_DECOMPOSED_PASSES
-    if ab.npu_kernels and m.lean and not m.layernorm and not (sp and tp > 1):  # the NPU's fused RMSNorm
+    if _npu_rms_norm(m, tp, sp, ab):
         out = RMSNORM_NPU_PASSES * td * ab.residual
     else:
         out = (LAYERNORM_PASSES if m.layernorm else rms) * td * ab.norm
