@@ -10,12 +10,14 @@ saves, to the byte. Megatron's are ``compute_activation_memory`` of
 ``s b h (18 + 4 f / h) / t`` bytes with sequence parallelism and selective recomputation (its
 only case), bf16, flash attention; without sequence parallelism the layer's norms, residual and
 dropout part (``10 s b h``) is whole on each TP rank. The ends: the output layer and the loss,
-``4 s b h (1 + V / h) / t`` with a pipeline of one stage. Sequence 4096, micro-batch 1, bf16
-parameters and compute, fused attention, no dropout.
+``4 s b h (1 + V / h) / t`` with a pipeline of one stage; the ends are given with the head and
+loss at once and over ``model.loss_chunks`` = 8 sequence chunks (``trainers/head_loss.py``). Sequence
+4096, micro-batch 1, bf16 parameters and compute, fused attention, no dropout.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from orchestrator.planner import activations as acts  # noqa: E402
 from orchestrator.planner.shapes import ModelShape  # noqa: E402
 
 SEQ, B = 4096, 1
+CHUNKS = 8  # model.loss_chunks of the last column
 LAYOUTS = [(1, False), (8, False), (8, True)]  # (tp, sequence parallel)
 
 
@@ -56,19 +59,28 @@ def main() -> None:
         f"per layer and for the ends (final norm, head, loss), this trainer / Megatron's formula; seq {SEQ}, "
         f"micro-batch {B}, bf16, fused attention"
     )
-    print(f"{'model':<12}{'tp':>4}{'sp':>4}{'layer':>8}{'selective':>11}{'ends':>8}{'Megatron MiB/layer':>20}")
+    print(
+        f"{'model':<12}{'tp':>4}{'sp':>4}{'layer':>8}{'selective':>11}{'ends':>8}{f'ends/{CHUNKS}':>9}"
+        f"{'Megatron MiB/layer':>20}"
+    )
     for name in ("llama2_7b", "llama2_13b", "llama2_70b"):
         m = model_shape(name)
         ab = acts.ActBytes.of(cfg.precision, m, "cuda")
         for t, sp in LAYOUTS:
             layer = acts.layer_activation_bytes(m, SEQ, B, t, sp, ab)
             core = acts.core_activation_bytes(m, SEQ, B, t, ab)
-            ends = acts.head_activation_bytes(m, SEQ, B, t, sp, ab) + acts.loss_transient_bytes(m, SEQ, B, t, ab)
-            ref = megatron_layer(m, t, sp)
+            ends = ends_bytes(m, t, sp, ab)
+            chunked = ends_bytes(dataclasses.replace(m, loss_chunks=CHUNKS), t, sp, ab)
+            ref, ref_ends = megatron_layer(m, t, sp), megatron_ends(m, t)
             print(
                 f"{name:<12}{t:>4}{'on' if sp else '-':>4}{layer / ref:>8.2f}{(layer - core) / ref:>11.2f}"
-                f"{ends / megatron_ends(m, t):>8.2f}{ref / 2**20:>20.0f}"
+                f"{ends / ref_ends:>8.2f}{chunked / ref_ends:>9.2f}{ref / 2**20:>20.0f}"
             )
+
+
+def ends_bytes(m: ModelShape, t: int, sp: bool, ab) -> float:
+    """The final norm, head and loss: what they save and the loss's own peak."""
+    return acts.head_activation_bytes(m, SEQ, B, t, sp, ab) + acts.loss_transient_bytes(m, SEQ, B, t, ab)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,14 @@ def layout_rules(cfg: DictConfig, err: Callable[[str], None]) -> Optional[Layout
         )
     if p.sequence_parallel and lay.tp == 1:
         err("parallel.sequence_parallel=true needs parallel.tp>1")
+    # the chunked loss slices the sequence positions each rank holds (trainers/head_loss.py)
+    held = int(cfg.trainer.seq_len) // (lay.tp if p.sequence_parallel and lay.tp > 1 else 1)
+    if not 1 <= int(cfg.model.loss_chunks) <= held:
+        err(
+            f"model.loss_chunks={cfg.model.loss_chunks}: must be from 1 to the {held} sequence positions "
+            f"each rank's head holds (trainer.seq_len={cfg.trainer.seq_len}"
+            + (f" over parallel.tp={lay.tp} with sequence parallelism)" if held != int(cfg.trainer.seq_len) else ")")
+        )
 
     return lay
 

@@ -194,3 +194,22 @@ def test_one_tied_parameter_through_materialisation_tp_and_fsdp(one_rank_group):
     apply_tp(tp, mesh.sub("tp"), sequence_parallel=False)
     assert tp.head.weight is tp.tok_emb.weight
     assert count_params(tp) == count_params(whole)
+
+
+CHUNKED = {
+    # sequence-parallel head input sliced per rank, the vocab-parallel loss, a pipeline's last stage
+    "tp2pp2-sequence-parallel": ["parallel=tp2pp2", "parallel.sequence_parallel=true"],
+    # the FSDP root's head applied by the loss, outside the module's forward
+    "dp2tp2-fsdp": ["parallel=dp2tp2"],
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_chunked_loss_matches_the_whole_loss_reference(compose_cfg, reference, name):
+    """``model.loss_chunks``: the head and the loss over sequence chunks, each recomputed in the
+    backward, give the losses and gradients of the single process's head and loss at once."""
+    overrides = [*CHUNKED[name], "model.loss_chunks=3"]
+    cfg = compose_cfg([*BASE, *overrides, "tracking.enabled=false"])
+    result = trial.run(cfg, overrides, progress=False)
+    assert result["status"] == "finished", result.get("reason")
+    _assert_matches(result["summary"], reference(()), FP32)

@@ -13,6 +13,7 @@ and softmax."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 import torch
@@ -107,3 +108,31 @@ def test_fused_kernels_move_less_and_tensor_parallelism_divides_what_it_shards(c
     assert layer_traffic_bytes(m, SEQ, B, 1, False, ab, fused=True) < eager
     tp2 = layer_traffic_bytes(m, SEQ, B, 2, False, ab)
     assert tp2 < eager and layer_traffic_bytes(m, SEQ, B, 2, True, ab) < tp2
+
+
+@pytest.mark.parametrize("case", ["llama-fused-gqa", "llama-fp32params-bf16"])
+def test_a_chunked_loss_moves_its_forward_again(case):
+    """``model.loss_chunks``: the head and loss per sequence chunk, each chunk's forward made
+    again in its backward (``trainers/head_loss.py``): the planned head traffic with it."""
+    from trainers.head_loss import ChunkedHeadLoss
+
+    model, pargs, m, ab = build(case)
+    model.args.loss_chunks = 4
+    loss_fn = ChunkedHeadLoss(model.head, cross_entropy, 4, 1, lambda: autocast(pargs, torch.device("cpu")))
+    x, y = tokens()
+    count = Traffic()
+    model.norm.register_forward_pre_hook(lambda *a: setattr(count, "region", "head"))
+    # the backward's head region ends at the gradient of the last block's output (after the norm's)
+    model.norm.register_forward_pre_hook(lambda mod, a: on_grad_end(a[0]))
+
+    def on_grad_end(t):
+        t.register_hook(lambda g: setattr(count, "region", None))
+
+    with count:
+        with autocast(pargs, torch.device("cpu")):
+            hidden = model(x)
+        loss_fn(hidden, y).backward()
+    got = count.bytes["head"]
+    planned = head_traffic_bytes(dataclasses.replace(m, loss_chunks=4), SEQ, B, 1, ab)
+    assert planned == pytest.approx(got, rel=0.07), (case, got, planned)
+    assert planned > head_traffic_bytes(m, SEQ, B, 1, ab)

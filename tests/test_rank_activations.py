@@ -72,6 +72,15 @@ CASES: Dict[str, Tuple[int, List[str]]] = {
     "tp2pp2-sp-llama": (4, ["model=llama_tiny", "parallel=tp2pp2", "parallel.sequence_parallel=true", *PP4]),
     "dp2tp2-gpt": (4, ["model=gpt_tiny", "parallel=dp2tp2"]),
     "pp4-1f1b-gpt": (4, ["model=gpt_tiny", "parallel=pp4", "parallel.schedule=1f1b", *PP4]),
+    # model.loss_chunks: the head and loss over sequence chunks, each checkpointed
+    "tp2-sp-llama-bf16-chunks": (
+        2,
+        ["model=llama_tiny", "parallel=tp2", "parallel.sequence_parallel=true", *BF16, "model.loss_chunks=4"],
+    ),
+    "pp2-1f1b-gpt-chunks": (
+        2,
+        ["model=gpt_tiny", "parallel=pp2", "parallel.schedule=1f1b", *PP4, "model.loss_chunks=4"],
+    ),
     # trainer.compile: each block compiled with Inductor (the fused count of activations.py; pp2
     # 1F1B llama compiled measured 0.999-1.000 too, docs/planner.md)
     "tp2-sp-llama-bf16-compiled": (

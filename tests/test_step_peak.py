@@ -41,6 +41,9 @@ CASES: Dict[str, Tuple[int, List[str]]] = {
     "llama-fp32": (1, ["model=llama_tiny"]),
     "gpt-bf16": (1, ["model=gpt_tiny", *BF16]),
     "tp2-llama-bf16": (2, ["model=llama_tiny", "parallel=tp2", *BF16]),
+    # the head and loss over 4 sequence chunks: one chunk's logits at a time
+    "llama-fp32-chunks": (1, ["model=llama_tiny", "model.loss_chunks=4"]),
+    "tp2-llama-bf16-chunks": (2, ["model=llama_tiny", "parallel=tp2", *BF16, "model.loss_chunks=4"]),
     # each data-parallel mode's own buffers: the TP replicas' gradient buckets, FSDP2's gathered
     # parameters (a block and the prefetched next, or every unit for zero1) and the whole
     # gradients it accumulates over the two micro-batches

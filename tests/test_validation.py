@@ -64,6 +64,11 @@ BROKEN = [
     (["parallel=dp2tp2", "comm.compression=powersgd"], "comm.compression=powersgd"),  # a DDP hook: tp=1
     (["parallel=dp2tp2", "parallel.dp_shard=zero1", "comm.compression=bf16"], "comm.compression=bf16"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel"),
+    (["model.loss_chunks=0"], "model.loss_chunks=0"),
+    (
+        ["parallel=tp2", "parallel.sequence_parallel=true", "trainer.seq_len=64", "model.loss_chunks=33"],
+        "model.loss_chunks",
+    ),
     (["parallel=pp2", "parallel.schedule=interleaved_1f1b", "parallel.virtual_stages=1"], "parallel.virtual_stages"),
     (["parallel=pp4", "parallel.schedule=zbv"], "model.n_layers=4"),
     (["model.norm=batchnorm"], "model.norm"),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from typing import Any, List, Optional
 
 import torch
@@ -33,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainers import comm as comm_mod
 from trainers import rules
 from trainers.config import TrialSpec
+from trainers.head_loss import ChunkedHeadLoss
 from trainers.model import GPT
 from trainers.parallel import acc_dtype, apply_fsdp, build_mesh, build_stages, local, loss_fn
 from trainers.pipeline_stage import stage_class
@@ -105,6 +107,16 @@ class RankModel:
         self.params = [q for m in self.modules for q in m.parameters() if q.requires_grad]
         self.has_last = self.n_stages - 1 in self.stage_ids
         self.has_first = 0 in self.stage_ids
+        if self.has_last and self.margs.loss_chunks > 1:
+            # the last stage gives out the final norm's output; the loss applies the head
+            head = self.modules[self.stage_ids.index(self.n_stages - 1)].head
+            self.loss = ChunkedHeadLoss(
+                head,
+                self.loss,
+                self.margs.loss_chunks,
+                p.tp if p.sequence_parallel and p.tp > 1 else 1,
+                functools.partial(autocast, self.pargs, device),
+            )
         self.schedule = self._build_schedule() if p.pp > 1 else None
         # dropout: every rank of a TP group draws the same masks (same seed, same draws), so
         # replicated activations stay replicated; each pipeline stage gets its own stream, as

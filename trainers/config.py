@@ -67,6 +67,9 @@ class ModelConfig:
     # ones (-1: all, as Megatron's --recompute-num-layers with its block method)
     recompute_granularity: str = "full"
     recompute_layers: int = -1
+    # the head and the loss over this many slices of the sequence, each made again in the
+    # backward (trainers/head_loss.py): no whole micro-batch of logits is kept; 1: at once
+    loss_chunks: int = 1
     dropout: float = 0.0  # attention-probability and residual dropout while training
     # a Hugging Face model folder (or its config.json): its architecture fills the keys above
     # (orchestrator/hf_model.py)

@@ -270,8 +270,8 @@ class GPT(nn.Module):
                 x = layer(x, rope)
         if self.norm is not None:
             x = self.norm(x)
-        if self.head is not None:
-            x = self.head(x)
+        if self.head is not None and self.args.loss_chunks <= 1:
+            x = self.head(x)  # else the loss applies the head, chunk by chunk (trainers/head_loss.py)
         return x
 
 

@@ -236,6 +236,7 @@ def small_model(model: Dict[str, Any]) -> Dict[str, Any]:
         "n_kv_heads": 2 if grouped else -1,
         "d_ff": 64,
         "max_seq_len": 16,
+        "loss_chunks": 1,  # the head and loss at once: the same operators as per chunk, plus a split
     }
 
 

@@ -141,7 +141,9 @@ def _ends_plan(model: GPT, sp: bool) -> Dict[str, Any]:
         act = Shard(1) if sp else Replicate()
         top["head"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1), use_local_output=True)
         if sp:
-            top["norm"] = SequenceParallel()
+            # a plain tensor out, this rank's part of the sequence: the head takes it as Shard(1),
+            # and a chunked loss (trainers/head_loss.py) slices it before the head gathers it
+            top["norm"] = SequenceParallel(use_local_output=True)
     return top
 
 

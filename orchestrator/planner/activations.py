@@ -243,6 +243,12 @@ def head_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab
     rank's vocabulary shard, and the int64 targets (with TP the vocab-parallel loss's bool mask;
     without, ``nll_loss``'s 4-byte total weight): ``bench/saved_activations.py``'s formula."""
     T = seq * b
+    if m.loss_chunks > 1:
+        # the chunks' checkpoints keep the head's input as this rank holds it (its part of the
+        # sequence under sequence parallelism, in the compute dtype) and each chunk's targets
+        # (trainers/head_loss.py)
+        part = T / (tp if sp else 1)
+        return _norm_bytes(m, part, ab) + part * m.d * ab.linear + 8 * T
     loss = 4 * T * -(-m.vocab // tp) + (9 * T if tp > 1 else 8 * T + 4)
     return _norm_bytes(m, T / (tp if sp else 1), ab) + T * m.d * ab.linear + loss
 
@@ -263,9 +269,23 @@ def loss_transient_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes,
     (``fwd_cache``), where the trainer's own loop drops them before it: they stand beside the
     plain loss's backward peak (measured on pp2's last stage, ``tests/test_step_peak.py``)."""
     logits = b * seq * -(-m.vocab // tp)
+    if m.loss_chunks > 1:
+        # one chunk's, in its backward, and the head's weight gradient that chunk makes before
+        # autograd adds it into the others' (in the compute dtype: the chunks share autocast's
+        # one cast of the weight, whose backward casts the sum once)
+        chunk = chunked_loss_transient_bytes(tp, ab) * logits / m.loss_chunks
+        return chunk + -(-m.vocab // tp) * m.d * ab.linear
     if tp == 1:
         return (8.0 + (ab.linear if pipelined else 0)) * logits
     return (4.0 + (ab.linear if ab.linear < 4 else 0)) * logits
+
+
+def chunked_loss_transient_bytes(tp: int, ab: ActBytes) -> float:
+    """Bytes a logit of one chunk of ``model.loss_chunks`` at the chunk's backward: the recomputed
+    fp32 log-softmax (or the vocab-parallel softmax) and the gradients made over it. Measured
+    (``tests/test_step_peak.py``): 16 for the plain loss in fp32, 12 for the vocab-parallel one
+    under bf16 autocast (its fp32 softmax, the bf16 logits and their gradient's cast)."""
+    return 16.0 if tp == 1 else 8.0 + 2.0 * ab.linear
 
 
 def head_weight_cast_bytes(m: ModelShape, tp: int, ab: ActBytes) -> float:

@@ -53,6 +53,7 @@ class ModelShape:
     selective: bool = False  # model.recompute_granularity=selective: the attention core only
     recompute_layers: int = -1  # model.recompute_layers: the first N blocks of each stage chunk
     lean: bool = True  # model.lean_ops: RMSNorm and SwiGLU keep what their backward needs
+    loss_chunks: int = 1  # model.loss_chunks: the head and loss over sequence chunks, recomputed
 
     @classmethod
     def of(cls, model: DictConfig | Dict[str, Any]) -> "ModelShape":
@@ -74,6 +75,7 @@ class ModelShape:
             selective=str(model.get("recompute_granularity", "full")) == "selective",
             recompute_layers=int(model.get("recompute_layers", -1)),
             lean=bool(model.get("lean_ops", True)),
+            loss_chunks=int(model.get("loss_chunks", 1)),
         )
 
     @property
@@ -259,6 +261,14 @@ def core_flops(m: ModelShape, s: "ParallelShape") -> float:
         return 0.0
     tokens = s.dp * s.microbatches * s.micro_batch * s.seq_len
     return 4.0 * model_recomputed_layers(m, s) * m.d * s.seq_len * tokens
+
+
+def head_recompute_flops(m: ModelShape, s: "ParallelShape") -> float:
+    """FLOPs ``model.loss_chunks`` adds per step: each chunk's head matmul again in its backward
+    (2 d V a token)."""
+    if m.loss_chunks <= 1:
+        return 0.0
+    return 2.0 * m.d * m.vocab * s.dp * s.microbatches * s.micro_batch * s.seq_len
 
 
 RankContents = rules.RankStages  # what one pipeline rank holds: stages, layers, the model's ends

@@ -227,7 +227,7 @@ def step_parts(
     peak_all = _peak_flops(precision, chip, s)
     flops = model_flops(m, s)
     share = shapes.full_recompute_share(m, s)
-    hw = flops * shapes.work_factor(m, s) + shapes.core_flops(m, s)
+    hw = flops * shapes.work_factor(m, s) + shapes.core_flops(m, s) + shapes.head_recompute_flops(m, s)
     compute = hw / peak_all
     # the backward is twice the forward, and holds the recomputed forward: (2 + r) / (3 + r)
     backward = compute * (2.0 + share) / (3.0 + share)

@@ -166,8 +166,8 @@ def head_traffic_bytes(
     """The final norm, the head's casts and the loss over this rank's vocabulary shard, forward
     and backward. Eager: ``cross_entropy`` on fp32 logits is 32 bytes a logit (log-softmax 8,
     the dense gradient ``nll_loss`` makes 4, the log-softmax's gradient 12, and their reads), 12
-    more for the cast to fp32 and back when the head computes narrower; fused: the logits read
-    and their gradient written."""
+    more for the cast to fp32 and back when the head computes narrower, and the forward's 8 (and
+    6) again with ``model.loss_chunks``; fused: the logits read and their gradient written."""
     T = float(seq * b)
     td = T * m.d
     logits = T * -(-m.vocab // tp)
@@ -183,7 +183,26 @@ def head_traffic_bytes(
         out += 4.0 * td * (ab.residual + ab.norm) if ab.norm != ab.residual else 0.0
     out += 2.0 * td * (ab.residual + ab.linear) if ab.residual != ab.linear else 0.0
     out += 2.0 * m.vocab / tp * m.d * (ab.param + ab.linear) if ab.weight_casts else 0.0
-    return out + logits * (32.0 + (12.0 if ab.linear != 4 else 0.0))
+    per_logit = 32.0 + (12.0 if ab.linear != 4 else 0.0)
+    if m.loss_chunks > 1:
+        out += _chunks_extra(m, T, tp, ab)
+        # each chunk's forward again in its backward: the log-softmax, the loss's read and the cast
+        # (in fp32, a copy)
+        per_logit += 12.0 + (6.0 if ab.linear != 4 else 8.0)
+    return out + logits * per_logit
+
+
+def _chunks_extra(m: ModelShape, tokens: float, tp: int, ab: ActBytes) -> float:
+    """What ``model.loss_chunks`` adds beside the logits: each chunk after the first makes a head
+    weight gradient that autograd adds into the others' (read twice, written once, in the
+    compute dtype: the chunks share autocast's one cast of the weight, whose backward casts the
+    sum once); each chunk's recompute casts the weight to the compute dtype again; the split's
+    backward concatenates the chunks' input gradients (compute dtype)."""
+    c, weight = m.loss_chunks, -(-m.vocab // tp) * m.d
+    out = (c - 1) * weight * 3.0 * ab.linear + 2.0 * tokens * m.d * ab.linear
+    if ab.weight_casts:
+        out += c * weight * (ab.param + ab.linear)
+    return out
 
 
 def memory_seconds(
