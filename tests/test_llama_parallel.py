@@ -197,8 +197,16 @@ def test_one_tied_parameter_through_materialisation_tp_and_fsdp(one_rank_group):
 
 
 CHUNKED = {
-    # sequence-parallel head input sliced per rank, the vocab-parallel loss, a pipeline's last stage
-    "tp2pp2-sequence-parallel": ["parallel=tp2pp2", "parallel.sequence_parallel=true"],
+    # sequence-parallel head input sliced per rank, the vocab-parallel loss, a pipeline's last stage;
+    # with ZB-V's split backward and the attention core recomputed inside sub-layers that keep
+    # their input's shard (trainers/sp_regather.py)
+    "tp2pp2-zbv-sequence-parallel-selective": [
+        "parallel=tp2pp2",
+        "parallel.schedule=zbv",
+        "parallel.sequence_parallel=true",
+        "model.activation_checkpointing=true",
+        "model.recompute_granularity=selective",
+    ],
     # the FSDP root's head applied by the loss, outside the module's forward
     "dp2tp2-fsdp": ["parallel=dp2tp2"],
 }

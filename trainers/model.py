@@ -264,6 +264,7 @@ class GPT(nn.Module):
             selective = recompute and a.recompute_granularity == "selective"
             if layer.attn.recompute_core != selective:
                 layer.attn.recompute_core = selective
+            layer.full_recompute = recompute and not selective  # read by trainers/sp_regather.py
             if recompute and not selective:
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:

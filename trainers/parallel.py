@@ -21,6 +21,7 @@ import torch.nn as nn
 from trainers import rules
 from trainers.config import ModelConfig, ParallelConfig
 from trainers.model import GPT, cross_entropy
+from trainers.sp_regather import keep_shard
 
 
 @dataclass
@@ -112,6 +113,9 @@ def apply_tp(model: GPT, tp_mesh, sequence_parallel: bool) -> None:
     model.tie_weights()
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sp))
+        if sp:  # the sub-layers save their gathered input as its shard (Megatron's way)
+            keep_shard(block.attn, block)
+            keep_shard(block.mlp, block)
     if sp and model.tok_emb is not None:
         # the embedding (plus learned positions) is replicated; the first block shards the
         # residual stream along the sequence. Between pipeline stages it travels sharded.

@@ -10,9 +10,10 @@ d_ff-wide tensors), for the embedding's ids and for the final norm, head input a
 log-softmax of the rank's vocabulary shard (:func:`head_activation_bytes`); autocast's
 compute-dtype copies of fp32 weights once per rank (:func:`layer_weight_cast_bytes`). Under tensor
 parallelism attention and the MLP are 1/t, the norms and residual masks 1/t only with sequence
-parallelism, and the linears' input whole on every rank (replicated, or gathered with sequence
-parallelism). Full activation checkpointing keeps each block's input (residual dtype, 1/t with
-sequence parallelism), plus one block's full set while it is recomputed.
+parallelism, and the linears' input whole on every rank (replicated; with sequence parallelism
+the rank's shard, gathered again in the backward). Full activation checkpointing keeps each
+block's input (residual dtype, 1/t with sequence parallelism), plus one block's full set while it
+is recomputed.
 ``tests/test_activation_bytes.py`` measures the tp=1 terms with saved-tensor hooks on CPU (within
 5%, to the byte in most cases); ``tests/test_rank_activations.py`` measures the composition per
 rank (the peak of what autograd holds through one step of the trainer's own ``RankModel``) on tp2,
@@ -104,7 +105,9 @@ def _norm_bytes(m: ModelShape, tokens: float, ab: ActBytes) -> float:
     return 2 * tokens * m.d * n + tokens * n + (m.norm_params * n if ab.param != n else 0)
 
 
-def layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes) -> float:
+def layer_activation_bytes(
+    m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, keep_shard: bool = True
+) -> float:
     """Bytes one transformer block saves for its backward, per microbatch and TP rank (the
     activations only: autocast's weight copies are :func:`layer_weight_cast_bytes`).
 
@@ -119,15 +122,21 @@ def layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, a
     two residual branches (and of the probabilities, decomposed) and the dropped probabilities; RoPE's
     cos/sin tables cast to a 16-bit compute dtype (``ActBytes.fused_out_copy``: whether wo reads a
     copy of the fused kernel's output). Everything inside attention and the MLP is 1/t. RMSNorm
-    and SwiGLU are ``trainers/lean_ops.py``'s."""
+    and SwiGLU are ``trainers/lean_ops.py``'s. With sequence parallelism each sub-layer's input is
+    cast to the compute dtype before its gather and kept as the rank's shard, gathered again in the
+    backward (``trainers/sp_regather.py``); whole where that is off (``keep_shard`` false: a
+    compiled block, or one recomputing from its input)."""
     T = seq * b
     u = tp if sp else 1
     lin, hd = ab.linear, m.d // m.heads
     heads, kv_w = m.heads / tp, m.kv_heads * hd / tp
     casts = ab.residual != lin  # the norm's output is cast anew by each linear that reads it
     out = 2 * _norm_bytes(m, T / u, ab)
-    out += (3 if casts else 1) * T * m.d * lin  # attention's input
-    out += ((2 if m.swiglu else 1) if casts else 1) * T * m.d * lin  # the MLP's input
+    if sp:  # attention's and the MLP's input, one compute-dtype copy each
+        out += 2 * T * m.d * lin / (tp if keep_shard else 1)
+    else:
+        out += (3 if casts else 1) * T * m.d * lin  # attention's input
+        out += ((2 if m.swiglu else 1) if casts else 1) * T * m.d * lin  # the MLP's input
     out += T * (heads * hd + 2 * kv_w) * lin  # q, k, v
     drop = m.dropout > 0
     if m.fused_attention:
@@ -308,15 +317,17 @@ def inflight_microbatches(s: ParallelShape, rank: int) -> float:
     return float(min(s.microbatches, s.pp - rank))
 
 
-def block_activation_bytes(m: ModelShape, s: ParallelShape, ab: ActBytes) -> float:
+def block_activation_bytes(m: ModelShape, s: ParallelShape, ab: ActBytes, recomputing: bool = False) -> float:
     """One block's activations per microbatch, by how the trial runs it: compiled with Inductor
     (:func:`fused_layer_activation_bytes`), else as eager mode keeps them (``aot_eager`` and
-    TorchAir too: ``trainers.rules``)."""
+    TorchAir too: ``trainers.rules``); ``recomputing``: while a block is recomputed from its input
+    (the sequence-parallel input kept whole)."""
     if s.min_cut:
         return fused_layer_activation_bytes(m, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, ab)
     # a compiled block traces the decomposition, not the lean functions (trainers/lean_ops.py)
     block = dataclasses.replace(m, lean=m.lean and not s.compiled)
-    return layer_activation_bytes(block, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, ab)
+    keep = not (s.compiled or recomputing)
+    return layer_activation_bytes(block, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, ab, keep)
 
 
 def rank_activation_bytes(m: ModelShape, s: ParallelShape, rc: Any, rank: int, ab: ActBytes) -> float:
@@ -334,7 +345,7 @@ def rank_activation_bytes(m: ModelShape, s: ParallelShape, rc: Any, rank: int, a
         core = core_activation_bytes(m, seq, b, tp, ab)
         kept, transient = full - core, core
     else:
-        kept, transient = checkpointed_layer_bytes(m, seq, b, tp, sp, ab), full
+        kept, transient = checkpointed_layer_bytes(m, seq, b, tp, sp, ab), block_activation_bytes(m, s, ab, True)
     k = inflight_microbatches(s, rank)
     act = k * ((layers - rec) * full + rec * kept) + (transient if rec else 0.0)
     cast_layers = layers - rec + min(rec, 1) if m.full_recompute and s.pp == 1 else layers

@@ -52,12 +52,20 @@ def dp_link(chip: DictConfig, s: ParallelShape) -> float:
 
 def tp_collectives(m: ModelShape, s: ParallelShape) -> Tuple[int, int]:
     """A layer's TP collectives per micro-batch on the sub-layers' activations (all-reduces, or
-    with sequence parallelism all-gathers and reduce-scatters) and on the norms' gradients."""
+    with sequence parallelism all-gathers and reduce-scatters, and the backward's gathers again:
+    :func:`regathers`) and on the norms' gradients."""
     if s.tp == 1:
         return 0, 0
     forward = _forward_calls(s)
-    act = 2 * forward + (forward - 1 if m.full_recompute else 0)
+    act = 2 * forward + (forward - 1 if m.full_recompute else regathers(s))
     return act, (2 * (2 if m.layernorm else 1) if s.sequence_parallel else 0)
+
+
+def regathers(s: ParallelShape) -> int:
+    """All-gathers a block that does not recompute from its input adds in its backward: with
+    sequence parallelism its two sub-layers gather their kept input shard again
+    (``trainers/sp_regather.py``; not in a compiled block)."""
+    return 2 if s.sequence_parallel and not s.compiled else 0
 
 
 def _forward_calls(s: ParallelShape) -> int:
@@ -76,7 +84,10 @@ def mesh_comm(
     if s.tp > 1:
         act, norm = tp_collectives(m, s)
         # a block that does not recompute repeats none of its forward's collectives
-        spared = (layers - (layers if recomputed is None else recomputed)) * (act - 2 * _forward_calls(s))
+        # (and makes the backward's gathers again instead)
+        spared = (layers - (layers if recomputed is None else recomputed)) * (
+            act - 2 * _forward_calls(s) - regathers(s)
+        )
         per_call = allreduce_bytes(msg, s.tp) / (2 if s.sequence_parallel else 1)
         norm_bytes = norm * allreduce_bytes(m.d * 4, s.tp)
         tp_calls = ((act + norm) * layers - spared) * s.microbatches

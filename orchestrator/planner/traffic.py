@@ -105,7 +105,9 @@ def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu
         out += 2 * (LAYERNORM_PASSES if m.layernorm else rms) * tdu * nb
     if nb != r and not npu_rms:  # in_dtype: the norm's input cast to its dtype and its output back, each way
         out += 2 * 4.0 * tdu * (r + nb)
-    if r != lin:  # autocast: each linear casts its input, and its gradient back
+    if r != lin and sp:  # each sub-layer's shard cast once before its gather (trainers/sp_regather.py)
+        out += 2 * 2.0 * tdu * (r + lin)
+    elif r != lin:  # autocast: each linear casts its input, and its gradient back
         out += readers * 2.0 * td * (r + lin)
     if ab.weight_casts:  # autocast's copies of the block's fp32 matrices and their gradients' casts
         out += 2.0 * m.layer_sharded / tp * (ab.param + lin)
