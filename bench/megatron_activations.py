@@ -10,7 +10,8 @@ saves, to the byte. Megatron's are ``compute_activation_memory`` of
 ``s b h (18 + 4 f / h) / t`` bytes with sequence parallelism and selective recomputation (its
 only case), bf16, flash attention; without sequence parallelism the layer's norms, residual and
 dropout part (``10 s b h``) is whole on each TP rank. The ends: the output layer and the loss,
-``4 s b h (1 + V / h) / t`` with a pipeline of one stage; the ends are given with the head and
+``4 s b h (1 + V / h) / t`` with a pipeline of one stage (without sequence parallelism the output
+layer's input, ``4 s b h``, is whole on each TP rank, as the layer's norms are); the ends are given with the head and
 loss at once and over ``model.loss_chunks`` = 8 sequence chunks (``trainers/head_loss.py``). Sequence
 4096, micro-batch 1, bf16 parameters and compute, fused attention, no dropout.
 """
@@ -48,8 +49,8 @@ def megatron_layer(m: ModelShape, t: int, sp: bool) -> float:
     return s * b * h * (10 + (8 + 4 * m.d_ff / h) / t)
 
 
-def megatron_ends(m: ModelShape, t: int) -> float:
-    return 4 * SEQ * B * m.d * (1 + m.vocab / m.d) / t
+def megatron_ends(m: ModelShape, t: int, sp: bool) -> float:
+    return 4 * SEQ * B * m.d / (t if sp else 1) + 4 * SEQ * B * m.vocab / t
 
 
 def main() -> None:
@@ -71,7 +72,7 @@ def main() -> None:
             core = acts.core_activation_bytes(m, SEQ, B, t, ab)
             ends = ends_bytes(m, t, sp, ab)
             chunked = ends_bytes(dataclasses.replace(m, loss_chunks=CHUNKS), t, sp, ab)
-            ref, ref_ends = megatron_layer(m, t, sp), megatron_ends(m, t)
+            ref, ref_ends = megatron_layer(m, t, sp), megatron_ends(m, t, sp)
             print(
                 f"{name:<12}{t:>4}{'on' if sp else '-':>4}{layer / ref:>8.2f}{(layer - core) / ref:>11.2f}"
                 f"{ends / ref_ends:>8.2f}{chunked / ref_ends:>9.2f}{ref / 2**20:>20.0f}"
