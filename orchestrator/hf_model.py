@@ -5,8 +5,11 @@ the planner, the operator coverage and every layout work on it as on the shipped
 Supported: the Llama family (``LlamaForCausalLM``, ``model_type: llama``: Llama 2 and 3, grouped
 KV heads, ``rope_theta``, Llama 3.1's RoPE scaling of type ``llama3`` (as transformers 5 writes it,
 in ``rope_parameters``, or as 4 did, ``rope_theta`` and ``rope_scaling``), ``rms_norm_eps``, tied
-or untied head), the fields read by ``transformers``' ``LlamaConfig``. Anything else, or a Llama
-config with a field whose value the trainer does not build (biases in attention or MLP, another
+or untied head), the fields read by ``transformers``' ``LlamaConfig``; Mistral
+(``MistralForCausalLM``: the same layers, with a ``sliding_window`` the validator holds against
+the sequence length) and Qwen2 / Qwen2.5 (``Qwen2ForCausalLM``: q, k and v with biases; its window
+only where ``use_sliding_window`` is set), as ``model.family``. Anything else, or a config with a
+field whose value the trainer does not build (Llama's biases in attention or MLP, another
 activation, another RoPE scaling, a head dimension other than hidden / heads), is one error line
 naming the field. The values from ``config.json`` win over ``model.*`` keys given beside it.
 Its weights load with ``model.hf_weights`` (``trainers/hf_weights.py``).
@@ -20,7 +23,10 @@ from typing import Any, Dict, Optional
 
 from omegaconf import DictConfig, open_dict
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+from trainers import rules
+
+# config.json's architecture -> (its model_type, model.family)
+ARCHITECTURES = {arch: (model_type, family) for family, (arch, model_type) in rules.ARCHITECTURES.items()}
 
 
 class HFConfigError(ValueError):
@@ -43,20 +49,23 @@ def model_fields(where: str) -> Dict[str, Any]:
     except ValueError as e:
         raise HFConfigError(f"{key}: {path} is not JSON ({e})") from None
     archs = hf.get("architectures") or []
-    if hf.get("model_type") != "llama" or not set(archs) & set(ARCHITECTURES):
+    known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES and ARCHITECTURES[a][0] == hf.get("model_type")]
+    if not known:
         raise HFConfigError(
             f"{key}: architecture {archs or hf.get('model_type')} is not supported "
             f"(supported: {', '.join(ARCHITECTURES)})"
         )
-    bad = [
-        (f, v, want)
-        for f, v, want in (
-            ("hidden_act", hf.get("hidden_act", "silu"), "silu"),
+    family = known[0][1]
+    checks = [("hidden_act", hf.get("hidden_act", "silu"), "silu")]
+    if family == "llama":  # Mistral's and Qwen2's configs have no such fields: their layers are fixed
+        checks += [
             ("attention_bias", hf.get("attention_bias", False), False),
             ("mlp_bias", hf.get("mlp_bias", False), False),
-        )
-        if v != want
-    ]
+        ]
+    bad = [(f, v, want) for f, v, want in checks if v != want]
+    kinds = sorted(set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"})
+    if kinds:
+        bad.append(("layer_types", kinds, "full_attention or sliding_attention"))
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     if hf.get("head_dim") not in (None, hidden // heads):
         bad.append(("head_dim", hf["head_dim"], hidden // heads))
@@ -83,8 +92,23 @@ def model_fields(where: str) -> Dict[str, Any]:
         "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
         "rope_scaling": {k: scaling[k] for k in LLAMA3_KEYS if k in scaling} if rope_type == "llama3" else {},
+        "family": family,
+        "sliding_window": sliding_window(hf, family),
     }
     return out
+
+
+def sliding_window(hf: Dict[str, Any], family: str) -> int:
+    """The attention window the config asks for, 0 for none: Mistral's ``sliding_window`` (null:
+    none); Qwen2's only where ``use_sliding_window`` is set or a layer's type is
+    ``sliding_attention`` (its configs carry a ``sliding_window`` value either way)."""
+    window = int(hf.get("sliding_window") or 0)
+    if family == "mistral":
+        return window
+    if family == "qwen2":
+        sliding = bool(hf.get("use_sliding_window")) or "sliding_attention" in (hf.get("layer_types") or [])
+        return window if sliding else 0
+    return 0
 
 
 # RoPE types the trainer builds: none (transformers' "default") and Llama 3.1's frequency rule

@@ -37,6 +37,7 @@ CHOICES = {
     "model.pos_emb": ("learned", "rope"),
     "model.attn_impl": ("fused", "decomposed", "npu_fused"),
     "model.recompute_granularity": ("full", "selective"),
+    "model.family": rules.FAMILIES,
     "data.name": ("stdlib", "memmap", "megatron", "synthetic"),
     "trainer.measure": ("fixed", "adaptive"),
     "launch.start_method": ("spawn", "forkserver", "fork"),
@@ -240,6 +241,14 @@ def _model_rules(cfg: DictConfig, err: Callable[[str], None]) -> None:
         err(f"model.pos_emb=rope needs an even head dimension; model.d_model/model.n_heads={m.d_model // m.n_heads}")
     if t.seq_len > m.max_seq_len:
         err(f"trainer.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if m.sliding_window < 0:
+        err(f"model.sliding_window={m.sliding_window}: a span of positions, or 0 for none")
+    elif 0 < m.sliding_window < t.seq_len:
+        err(
+            f"model.sliding_window={m.sliding_window} is below trainer.seq_len={t.seq_len}: the trainer builds full "
+            f"causal attention, the window's equal only while a sequence fits in it; set trainer.seq_len<="
+            f"{m.sliding_window}"
+        )
     weights_rules(m, t, err)
 
 

@@ -53,6 +53,13 @@ class ModelConfig:
     # low_freq_factor, high_freq_factor, original_max_position_embeddings; empty: none
     rope_scaling: Dict[str, Any] = field(default_factory=dict)
     norm_eps: float = 1e-5  # the norms' epsilon (Llama: rms_norm_eps)
+    # the Hugging Face family the model is (llama | mistral | qwen2: q, k and v with biases): how
+    # its checkpoints name and shape the tensors and what an exported folder's config.json says
+    family: str = "llama"
+    # the family's sliding-window attention span (0: none). The trainer builds full causal
+    # attention, the same as the window's only while trainer.seq_len <= the window: the validator
+    # refuses longer sequences
+    sliding_window: int = 0
     tie_embeddings: bool = False  # untied, as every preset but gpt2_small: the head may sit on another pipeline stage
     # fused (scaled_dot_product_attention) | decomposed (matmul + softmax + matmul) | npu_fused
     # (torch_npu.npu_fusion_attention, Ascend A2; what the planner maps fused attention to there)
@@ -85,6 +92,10 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return rules.qkv_bias(self.family)
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The Hugging Face layout of a Llama-family model, without torch: each parameter's name there,
+"""The Hugging Face layout of a Llama-family model (Llama, Mistral, Qwen2), without torch: each parameter's name there,
 the tensors a checkpoint of an architecture holds, and the check of a weights folder's headers
 that the validator runs before launch (``trainers/hf_weights.py`` loads and saves the tensors).
 """
@@ -17,6 +17,9 @@ _LAYER = {
     "attn.wq.weight": "self_attn.q_proj.weight",
     "attn.wk.weight": "self_attn.k_proj.weight",
     "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wq.bias": "self_attn.q_proj.bias",
+    "attn.wk.bias": "self_attn.k_proj.bias",
+    "attn.wv.bias": "self_attn.v_proj.bias",
     "attn.wo.weight": "self_attn.o_proj.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
     "mlp.w1.weight": "mlp.gate_proj.weight",
@@ -32,13 +35,13 @@ _BLOCK = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
 def hf_name(name: str) -> str:
-    """The Hugging Face Llama name of one of this model's parameters."""
+    """The Hugging Face name of one of this model's parameters (the same in each family)."""
     m = _BLOCK.match(name)
     if m and m.group(2) in _LAYER:
         return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
     if name in _TOP:
         return _TOP[name]
-    raise KeyError(f"{name} has no Hugging Face Llama counterpart")
+    raise KeyError(f"{name} has no Hugging Face counterpart")
 
 
 def expected(m: Any) -> Dict[str, Tuple[int, ...]]:
@@ -59,6 +62,8 @@ def expected(m: Any) -> Dict[str, Tuple[int, ...]]:
         "mlp.w3.weight": (ff, d),
         "mlp.w2.weight": (d, ff),
     }
+    if rules.qkv_bias(str(m.family)):
+        layer.update({"attn.wq.bias": (int(m.n_heads) * hd,), "attn.wk.bias": (kv * hd,), "attn.wv.bias": (kv * hd,)})
     out = {hf_name("tok_emb.weight"): (v, d)}
     for i in range(int(m.n_layers)):
         out.update({hf_name(f"layers.{i}.{k}"): shape for k, shape in layer.items()})
@@ -85,15 +90,16 @@ def check(folder: str, m: Any) -> Optional[str]:
 
 
 def config_json(m: Any) -> Dict[str, Any]:
-    """The ``config.json`` of a Llama model config ``m`` (``model.*``), as ``LlamaConfig`` reads it:
-    what an exported folder carries, so ``model.hf_config`` (and ``transformers``) read it back."""
+    """The ``config.json`` of a model config ``m`` (``model.*``) of one of the families, as its
+    ``transformers`` config class reads it: what an exported folder carries, so ``model.hf_config``
+    (and ``transformers``) read it back."""
     heads = int(m.n_heads)
+    family = str(m.family)
+    arch, model_type = rules.ARCHITECTURES[family]
     out: Dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch],
+        "model_type": model_type,
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
         "hidden_size": int(m.d_model),
         "intermediate_size": int(m.d_ff),
         "num_attention_heads": heads,
@@ -107,6 +113,13 @@ def config_json(m: Any) -> Dict[str, Any]:
         "vocab_size": int(m.vocab_size),
         "torch_dtype": "float32",
     }
+    if family == "llama":
+        out.update(attention_bias=False, mlp_bias=False)
+    window = int(m.sliding_window) or None
+    if family == "mistral":
+        out["sliding_window"] = window
+    elif family == "qwen2":
+        out.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=int(m.n_layers))
     if m.rope_scaling:
         out["rope_scaling"] = dict(m.rope_scaling)
     return out

@@ -1,5 +1,5 @@
-"""A Llama-family model's weights from and to the Hugging Face layout (``model.hf_weights=FOLDER``,
-``trainer.export_hf=FOLDER``).
+"""A Llama-family model's (Llama, Mistral, Qwen2) weights from and to the Hugging Face layout
+(``model.hf_weights=FOLDER``, ``trainer.export_hf=FOLDER``).
 
 Names: the trainer's ``layers.{i}.attn.wq`` is ``model.layers.{i}.self_attn.q_proj`` and so on
 (:func:`hf_name`). RoPE: this model rotates each (even, odd) channel pair of a head (Meta's
@@ -35,20 +35,22 @@ from trainers.safetensors_io import Checkpoint, write
 
 
 def _rotary(name: str) -> bool:
-    return name.endswith(("attn.wq.weight", "attn.wk.weight"))
+    """q_proj's and k_proj's weight and bias (Qwen2): their rows are in RoPE's channel order."""
+    return name.endswith(("attn.wq.weight", "attn.wk.weight", "attn.wq.bias", "attn.wk.bias"))
 
 
 def from_hf_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """q_proj / k_proj rows, per head, from the half-split order to the (even, odd) pair order:
-    row i of a head's first half goes to 2i, row i of its second half to 2i + 1."""
-    out, d = w.shape
-    return w.reshape(out // head_dim, 2, head_dim // 2, d).transpose(1, 2).reshape(out, d)
+    """q_proj / k_proj rows (a weight's, or a bias's entries), per head, from the half-split
+    order to the (even, odd) pair order: row i of a head's first half goes to 2i, row i of its
+    second half to 2i + 1."""
+    out = w.shape[0]
+    return w.reshape(out // head_dim, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def to_hf_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:
     """The inverse of :func:`from_hf_rows`."""
-    out, d = w.shape
-    return w.reshape(out // head_dim, head_dim // 2, 2, d).transpose(1, 2).reshape(out, d)
+    out = w.shape[0]
+    return w.reshape(out // head_dim, head_dim // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 @torch.no_grad()

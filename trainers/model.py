@@ -111,9 +111,10 @@ class Attention(nn.Module):
     def __init__(self, args: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.d_model, self.n_heads * self.hd, bias=False)
-        self.wk = nn.Linear(args.d_model, self.n_kv * self.hd, bias=False)
-        self.wv = nn.Linear(args.d_model, self.n_kv * self.hd, bias=False)
+        bias = args.qkv_bias  # Qwen2's q, k and v projections carry biases
+        self.wq = nn.Linear(args.d_model, self.n_heads * self.hd, bias=bias)
+        self.wk = nn.Linear(args.d_model, self.n_kv * self.hd, bias=bias)
+        self.wv = nn.Linear(args.d_model, self.n_kv * self.hd, bias=bias)
         self.wo = nn.Linear(self.n_heads * self.hd, args.d_model, bias=False)
         self.rope = args.pos_emb == "rope"
         self.impl = args.attn_impl

@@ -47,6 +47,22 @@ def kv_heads(n_heads: int, n_kv_heads: int | None) -> int:
     return int(n_heads) if n_kv_heads in (-1, 0, None) else int(n_kv_heads)
 
 
+# model.family's values: the Hugging Face families the trainer builds (trainers/hf_layout.py),
+# each with its config.json's architecture and model_type
+ARCHITECTURES = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "mistral": ("MistralForCausalLM", "mistral"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+}
+FAMILIES = tuple(ARCHITECTURES)
+
+
+def qkv_bias(family: str) -> bool:
+    """Whether attention's q, k and v projections carry biases: Qwen2's do (its modeling code
+    builds them unconditionally); Llama's and Mistral's do not."""
+    return family == "qwen2"
+
+
 # parallel.dp_shard's values: how replicas meet (trainers/assembly.py builds each one)
 # ddp: whole replicas, gradients all-reduced once a step (DDP's reducer without TP, a bucketed
 #   all-reduce of the DTensor gradients over the DP group with it);

@@ -54,6 +54,7 @@ class ModelShape:
     recompute_layers: int = -1  # model.recompute_layers: the first N blocks of each stage chunk
     lean: bool = True  # model.lean_ops: RMSNorm and SwiGLU keep what their backward needs
     loss_chunks: int = 1  # model.loss_chunks: the head and loss over sequence chunks, recomputed
+    qkv_bias: bool = False  # model.family=qwen2: q, k and v projections with biases
 
     @classmethod
     def of(cls, model: DictConfig | Dict[str, Any]) -> "ModelShape":
@@ -76,6 +77,7 @@ class ModelShape:
             recompute_layers=int(model.get("recompute_layers", -1)),
             lean=bool(model.get("lean_ops", True)),
             loss_chunks=int(model.get("loss_chunks", 1)),
+            qkv_bias=rules.qkv_bias(str(model.get("family", "llama"))),
         )
 
     @property
@@ -104,8 +106,12 @@ class ModelShape:
         return mats + ([(self.d, self.d_ff)] if self.swiglu else [])
 
     @property
-    def layer_sharded(self) -> int:  # split by tensor parallelism
-        return sum(a * b for a, b in self.layer_matrices)
+    def layer_sharded(self) -> int:  # split by tensor parallelism: the matrices and q/k/v biases
+        return sum(a * b for a, b in self.layer_matrices) + self.qkv_bias_params
+
+    @property
+    def qkv_bias_params(self) -> int:
+        return self.d + 2 * self.kv_heads * (self.d // self.heads) if self.qkv_bias else 0
 
     @property
     def norm_params(self) -> int:
@@ -306,6 +312,12 @@ def block_tensors(m: ModelShape) -> List[ParamTensor]:
     ]
     if m.swiglu:
         out.append(ParamTensor("mlp.w3.weight", (m.d_ff, m.d), 0))
+    if m.qkv_bias:  # column-parallel with their weights
+        out += [
+            ParamTensor("attn.wq.bias", (m.heads * hd,), 0),
+            ParamTensor("attn.wk.bias", (m.kv_heads * hd,), 0),
+            ParamTensor("attn.wv.bias", (m.kv_heads * hd,), 0),
+        ]
     return out + norm_tensors(m, "attn_norm") + norm_tensors(m, "mlp_norm")
 
 

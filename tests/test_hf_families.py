@@ -1,0 +1,114 @@
+"""Mistral and Qwen2 folders as the installed ``transformers`` writes them, against
+``transformers`` itself: each trains under tp2 from transformers' own first loss (Qwen2's q, k
+and v biases loaded into the tensor-parallel shards, q's and k's in RoPE's channel order), and
+exports, with a learning rate too small to move an fp32 weight (1e-30), the very tensors it read
+and a ``config.json`` that transformers reads back as the same family. A window shorter than the sequence is refused by
+name, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers  # a test dependency (pyproject's [test])
+from hydra.core.global_hydra import GlobalHydra
+
+from orchestrator import hf_model, trial
+from tests.conftest import assert_planned_state_bytes, cli_in_process, composed
+from trainers.data import StepSampler, SyntheticTokens
+from trainers.safetensors_io import Checkpoint
+
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    initializer_range=0.2,  # logits far from uniform, so a wrong bias or RoPE shows in the loss
+)
+SEQ, BATCH = 32, 4
+FAMILIES = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    # no window: Mistral 7B v0.2 and later; v0.1's 4096 is held against the sequence (below)
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+}
+
+
+def _compose(folder, extra):
+    over = ["+chip=cpu", "trainer=smoke", "trainer.steps=2", f"trainer.seq_len={SEQ}", f"trainer.global_batch={BATCH}"]
+    over += ["trainer.micro_batch=2", "data=synthetic", "precision=fp32", "tracking.enabled=false"]
+    over += [f"model.hf_config={folder}", f"model.hf_weights={folder}", *extra]
+    cfg = composed(over)
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """{family: (folder, transformers' own loss on the trial's first global batch)}."""
+    out = {}
+    for family, (config_cls, model_cls, extra) in FAMILIES.items():
+        folder = tmp_path_factory.mktemp(family)
+        torch.manual_seed(0)
+        model = model_cls(config_cls(**SHAPE, **extra)).eval()
+        if family == "qwen2":  # transformers initialises biases at 0: make them count
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                        proj.bias.normal_(0.0, 0.5)
+        model.save_pretrained(folder)
+        seed = _compose(folder, []).trainer.seed
+        ds = SyntheticTokens(SHAPE["vocab_size"], SEQ, seed)
+        x, y = zip(*(ds[i] for i in StepSampler(len(ds), BATCH, 0, 1, seed, 1)))
+        with torch.no_grad():
+            logits = model(input_ids=torch.stack(x)).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.stack(y).reshape(-1)).item()
+        out[family] = (folder, loss)
+    return out
+
+
+def test_the_families_read_as_their_model_config(folders):
+    qwen = hf_model.model_fields(str(folders["qwen2"][0]))
+    mistral = hf_model.model_fields(str(folders["mistral"][0]))
+    assert (qwen["family"], qwen["sliding_window"]) == ("qwen2", 0)
+    assert (mistral["family"], mistral["sliding_window"]) == ("mistral", 0)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_tp2_starts_from_transformers_own_loss_and_exports_what_it_read(folders, family, tmp_path):
+    folder, loss = folders[family]
+    out = tmp_path / "exported"
+    cfg = _compose(folder, ["parallel=tp2", "trainer.lr=1e-30", f"trainer.export_hf={out}"])
+    result = trial.run(cfg, [], progress=False)
+    assert result["status"] == "finished", result.get("reason")
+    assert result["summary"]["losses"][0] == pytest.approx(loss, rel=1e-5)
+    assert_planned_state_bytes(cfg, result["summary"])  # the planner counts the biases
+    back = transformers.AutoConfig.from_pretrained(out)
+    want = transformers.AutoConfig.from_pretrained(folder)
+    assert (back.model_type, back.architectures) == (want.model_type, want.architectures)
+    assert back.sliding_window == want.sliding_window
+    src, dst = Checkpoint(str(folder)), Checkpoint(str(out))
+    names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+    assert ("model.layers.0.self_attn.q_proj.bias" in names) == (family == "qwen2")
+    for name in names:  # steps of ~1e-30 leave every weight as it was: the tensors it read, in their layout
+        assert torch.equal(dst.tensor(name), src.tensor(name)), name
+
+
+def test_a_window_shorter_than_the_sequence_is_one_line_and_exit_2(folders, tmp_path, monkeypatch, capfd):
+    folder = tmp_path / "windowed"
+    folder.mkdir()
+    config = json.loads((folders["mistral"][0] / "config.json").read_text())
+    config["sliding_window"] = 16
+    (folder / "config.json").write_text(json.dumps(config))
+    args = ["+chip=cpu", "trainer=smoke", f"trainer.seq_len={SEQ}", f"model.hf_config={folder}"]
+    code, out, err = cli_in_process(args, tmp_path, monkeypatch, capfd)
+    assert code == 2, (out, err)
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "model.sliding_window=16 is below trainer.seq_len=32" in errors[0], err
