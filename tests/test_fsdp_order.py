@@ -24,20 +24,11 @@ from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import trial
 from tests.conftest import composed, on_ranks
+from tests.test_dp_collectives import BASE as COUNTED_BASE  # gpt_tiny, 8 sequences of 32 a step
 
 pytestmark = pytest.mark.distributed
 
-BASE = [
-    "+chip=cpu",
-    "model=gpt_tiny",
-    "trainer=smoke",
-    "trainer.global_batch=8",
-    "trainer.seq_len=32",
-    "trainer.micro_batch=2",  # two micro-batches a replica
-    "data=synthetic",
-    "tracking.enabled=false",
-    "parallel=dp2",
-]
+BASE = [*COUNTED_BASE, "trainer.micro_batch=2", "parallel=dp2"]  # two micro-batches a replica
 MODES = ("fsdp", "zero1")
 BLOCKS = 4  # gpt_tiny's layers
 

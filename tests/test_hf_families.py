@@ -11,42 +11,18 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers  # a test dependency (pyproject's [test])
-from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import hf_model, trial
-from tests.conftest import assert_planned_state_bytes, cli_in_process, composed
-from trainers.data import StepSampler, SyntheticTokens
+from tests.conftest import assert_planned_state_bytes, cli_in_process
+from tests.test_hf_transformers import SEQ, SHAPE, _compose, first_loss  # the same small shape and trial
 from trainers.safetensors_io import Checkpoint
 
-SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    initializer_range=0.2,  # logits far from uniform, so a wrong bias or RoPE shows in the loss
-)
-SEQ, BATCH = 32, 4
 FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     # no window: Mistral 7B v0.2 and later; v0.1's 4096 is held against the sequence (below)
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
 }
-
-
-def _compose(folder, extra):
-    over = ["+chip=cpu", "trainer=smoke", "trainer.steps=2", f"trainer.seq_len={SEQ}", f"trainer.global_batch={BATCH}"]
-    over += ["trainer.micro_batch=2", "data=synthetic", "precision=fp32", "tracking.enabled=false"]
-    over += [f"model.hf_config={folder}", f"model.hf_weights={folder}", *extra]
-    cfg = composed(over)
-    GlobalHydra.instance().clear()
-    return cfg
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +39,7 @@ def folders(tmp_path_factory):
                     for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                         proj.bias.normal_(0.0, 0.5)
         model.save_pretrained(folder)
-        seed = _compose(folder, []).trainer.seed
-        ds = SyntheticTokens(SHAPE["vocab_size"], SEQ, seed)
-        x, y = zip(*(ds[i] for i in StepSampler(len(ds), BATCH, 0, 1, seed, 1)))
-        with torch.no_grad():
-            logits = model(input_ids=torch.stack(x)).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.stack(y).reshape(-1)).item()
-        out[family] = (folder, loss)
+        out[family] = (folder, first_loss(model, folder))
     return out
 
 

@@ -80,13 +80,18 @@ def folders(tmp_path_factory):
     shutil.copytree(current, legacy)
     written = json.loads((current / "config.json").read_text())
     (legacy / "config.json").write_text(json.dumps(_legacy(written), indent=2))
-    seed = _compose(current, []).trainer.seed
+    loss = first_loss(model, current)
+    return {"current": current, "legacy": legacy, "written": written, "loss": loss, "model": model}
+
+
+def first_loss(model, folder) -> float:
+    """transformers' own loss of ``model`` on the first global batch a trial of ``folder`` trains on."""
+    seed = _compose(folder, []).trainer.seed
     ds = SyntheticTokens(SHAPE["vocab_size"], SEQ, seed)
     x, y = zip(*(ds[i] for i in StepSampler(len(ds), BATCH, 0, 1, seed, 1)))
     with torch.no_grad():
         logits = model(input_ids=torch.stack(x)).logits
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.stack(y).reshape(-1)).item()
-    return {"current": current, "legacy": legacy, "written": written, "loss": loss, "model": model}
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.stack(y).reshape(-1)).item()
 
 
 def _compose(folder, extra):
