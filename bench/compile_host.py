@@ -51,8 +51,9 @@ def _rank(rank: int, world: int, port: int, args, out: str) -> None:
     import torch.distributed as dist
 
     from trainers.config import ModelConfig, ParallelConfig
+    from trainers.head_loss import loss_fn
     from trainers.model import GPT
-    from trainers.parallel import apply_tp, build_mesh, loss_fn
+    from trainers.parallel import apply_tp, build_mesh
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

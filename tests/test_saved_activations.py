@@ -128,8 +128,9 @@ def _tp_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from trainers.config import ParallelConfig
+    from trainers.head_loss import loss_fn
     from trainers.model import GPT, cross_entropy
-    from trainers.parallel import build_mesh, build_stages, loss_fn
+    from trainers.parallel import build_mesh, build_stages
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -34,9 +34,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainers import comm as comm_mod
 from trainers import rules
 from trainers.config import TrialSpec
-from trainers.head_loss import ChunkedHeadLoss
+from trainers.head_loss import ChunkedHeadLoss, loss_fn
 from trainers.model import GPT
-from trainers.parallel import acc_dtype, apply_fsdp, build_mesh, build_stages, local, loss_fn
+from trainers.parallel import acc_dtype, apply_fsdp, build_mesh, build_stages, local
 from trainers.pipeline_stage import stage_class
 from trainers.precision import LossScaler, apply_op_policy, autocast, cast_params
 from trainers.replicas import ReplicaReducer

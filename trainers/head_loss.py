@@ -1,16 +1,94 @@
-"""The head and the loss over sequence chunks (``model.loss_chunks`` > 1): each chunk's logits are
-made, reduced to a loss and dropped, and made again in the backward, so no rank keeps a whole
-micro-batch's logits (b x s x vocab/tp, in fp32 for the loss) for the backward or at the loss's
-peak. What stays is the head's input, sharded along the sequence where it is (sequence
-parallelism), and each chunk's per-token loss inputs. The price is the head's forward twice
-(and, with sequence parallelism, its gather twice): docs/planner.md, "Lean ends"."""
+"""The model's loss: the token cross-entropy, over the vocabulary shards where the head is
+tensor-parallel (:func:`loss_fn`), and over sequence chunks (``model.loss_chunks`` > 1,
+:class:`ChunkedHeadLoss`): each chunk's logits are made, reduced to a loss and dropped, and made
+again in the backward, so no rank keeps a whole micro-batch's logits (b x s x vocab/tp, in fp32
+for the loss) for the backward or at the loss's peak. What stays is the head's input, sharded
+along the sequence where it is (sequence parallelism), and each chunk's targets. The price is the
+head's forward twice (and, with sequence parallelism, its gather twice): docs/planner.md, "Lean
+ends"."""
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager, List
+import functools
+from typing import Any, Callable, ContextManager, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
+
+from trainers.model import cross_entropy
+
+
+def vocab_offset(vocab_size: int, tp: int, tp_rank: int) -> int:
+    """The first vocabulary id of TP rank ``tp_rank``'s head shard: ``Shard(-1)`` splits as
+    ``torch.chunk`` does (ceil(vocab / tp) per rank, the last ones shorter or empty)."""
+    return min(tp_rank * -(-vocab_size // tp), vocab_size)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of logits split over the vocabulary across ``group``, as
+    Megatron-LM's ``_VocabParallelCrossEntropy`` computes it: the max over the shards (all-reduce
+    MAX), then the target's logit (from the one shard that holds it) and the sum of exponentials
+    (one all-reduce SUM of both). Every rank ends with the same per-token losses and keeps only its
+    shard's softmax for the backward, whose gradient, softmax - onehot, needs no communication:
+    the head's column-parallel backward all-reduces what flows into the hidden states."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, lo: int, group) -> torch.Tensor:
+        # logits: (tokens, shard) fp32, this rank's vocabulary [lo, lo + shard); targets: (tokens,)
+        n, shard = logits.shape
+        if shard:
+            top = logits.amax(dim=-1)
+        else:  # an empty shard (vocab < tp * ceil(vocab / tp)) takes part in the collectives only
+            top = logits.new_full((n,), float("-inf"))
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - top.unsqueeze(-1)  # a new tensor: the caller's logits are left alone
+        local_t = targets - lo
+        owned = (local_t >= 0) & (local_t < shard)
+        local_t = local_t.masked_fill(~owned, 0)
+        both = logits.new_zeros((2, n))  # [target's shifted logit, sum of exp], one all-reduce
+        if shard:
+            both[0] = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        probs = shifted.exp_()
+        both[1] = probs.sum(dim=-1)
+        dist.all_reduce(both, op=dist.ReduceOp.SUM, group=group)
+        probs.div_(both[1].unsqueeze(-1))  # this shard's softmax, in place
+        ctx.save_for_backward(probs, local_t, owned)
+        return both[1].log() - both[0]
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        probs, local_t, owned = ctx.saved_tensors
+        # softmax - onehot(target), in place on the saved softmax as Megatron does: no second
+        # local-vocabulary buffer. A second backward through this node (retain_graph) fails
+        # autograd's version check rather than reading the overwritten softmax; ZB-V's split
+        # backward passes this node once (its weight pass starts below the loss)
+        grad = probs
+        if grad.shape[-1]:
+            grad.scatter_add_(-1, local_t.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, group, vocab_size: int) -> torch.Tensor:
+    """The mean token cross-entropy, in fp32, of logits (..., shard) that hold this TP rank's slice
+    of the vocabulary (the tensor-parallel head's output): equal to :func:`cross_entropy` of the
+    whole vocabulary's logits, without any rank holding them. ``targets`` are token ids (no
+    ignore index: the trainer's data has none)."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    lo = vocab_offset(vocab_size, tp, rank)
+    if logits.shape[-1] != max(0, min(-(-vocab_size // tp), vocab_size - lo)):
+        raise ValueError(f"logits of {logits.shape[-1]} ids are not TP rank {rank}'s shard of {vocab_size}")
+    x = logits.float().reshape(-1, logits.shape[-1])
+    return _VocabParallelCrossEntropy.apply(x, targets.reshape(-1), lo, group).mean()
+
+
+def loss_fn(mesh: Optional[Any], vocab_size: int) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``loss(logits, targets)`` for this rank's head output: the vocab-parallel cross-entropy where
+    the head is tensor-parallel (tp > 1), the plain one otherwise."""
+    if mesh is None or mesh.tp == 1:
+        return cross_entropy
+    return functools.partial(vocab_parallel_cross_entropy, group=mesh.group("tp"), vocab_size=vocab_size)
 
 
 class ChunkedHeadLoss:
