@@ -126,7 +126,9 @@ def keep_shard(sub: nn.Module, block: nn.Module) -> None:
 
     sub.register_forward_pre_hook(before, prepend=True)
     sub.register_forward_pre_hook(after_gather)
-    sub.register_forward_hook(close)
+    # closed even when the forward raises: a context left open would pack later saves against a
+    # freed tensor's address, which a new tensor may reuse
+    sub.register_forward_hook(close, always_call=True)
 
 
 def _active(block: nn.Module) -> bool:
