@@ -165,7 +165,10 @@ def test_a_trial_outlives_its_tracking_server_and_loses_no_step(running, tmp_pat
     assert run.info.status == "FINISHED" and run.data.tags["trial.status"] == "finished"
     assert "**finished**: final loss" in run.data.tags[tracking.NOTE_TAG]
     assert tracking.UNDELIVERED_TAG not in run.data.tags and not journal.exists()
-    assert "the trial goes on" in log and "is back after" in log
+    # the outage is reported, and so is how it ended: rank 0's reporter saw the store back, or (the
+    # store back only after rank 0's finish timeout, as on a loaded CI host) it left its journal,
+    # which the driver delivered (the records above are all in the store either way)
+    assert "the trial goes on" in log and ("is back after" in log or "not delivered to" in log), log[-3000:]
     stamps = [m.timestamp for m in metric_history(running.uri, run_id, "loss")]
     assert stamps == sorted(stamps)  # the steps' own times, also for those delivered late
     print(
