@@ -132,8 +132,4 @@ def keep_shard(sub: nn.Module, block: nn.Module) -> None:
 
 
 def _active(block: nn.Module) -> bool:
-    return torch.is_grad_enabled() and not getattr(block, "full_recompute", False) and not _compiling()
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
+    return torch.is_grad_enabled() and not getattr(block, "full_recompute", False) and not torch.compiler.is_compiling()
