@@ -69,9 +69,15 @@ CASES: Dict[str, Tuple[int, List[str]]] = {
     },
 }
 TOLERANCE = 0.03  # one block's backward transients at a time are not planned: under the loss's here
-# FSDP2's gathers and reduce-scatters run asynchronously, so which unit's buffers stand beside the
-# loss's peak varies with timing: the same dp2tp2 fsdp step peaked at 19.3-21.4 MiB over six runs
+# FSDP2's gathers and reduce-scatters run asynchronously on gloo's own threads, and the buffers a
+# collective holds (gloo's staging copy of an all-gather above all, which NCCL and HCCL do not
+# make) are freed when it finishes: so a rank's peak varies between runs by up to one root unit's
+# gather. The same dp2tp2 fsdp step peaked at 14.7-18.7 MiB over 16 rank-runs, 14.7 in 11 of them.
+# Each such case repeats its step REPEATS times; the plan is held to the step's own need, each
+# rank's least peak, within FSDP_TOLERANCE, and every peak seen to within ASYNC_BOUND above it.
 FSDP_TOLERANCE = 0.10
+ASYNC_BOUND = 0.30
+REPEATS = 3
 
 
 def live_peak(fn) -> int:
@@ -104,8 +110,12 @@ def _measure(model, spec, rank: int) -> dict:
     ]
     before = model_state_bytes(model.modules, [])
     assert before["grads"] == 0
-    peak = live_peak(lambda: model.forward_backward(batches))
-    return dict(peak=before["params"] + peak)
+    peaks = []
+    for _ in range(REPEATS if spec.parallel.dp_shard in ("zero1", "fsdp") else 1):
+        peaks.append(before["params"] + live_peak(lambda: model.forward_backward(batches)))
+        for module in model.modules:
+            module.zero_grad(set_to_none=True)
+    return dict(peaks=peaks)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +134,7 @@ def measured(tmp_path_factory):
     for world, specs in by_world.items():
         ranks = on_ranks(_measure, world, specs, str(tmp_path_factory.mktemp(f"peak{world}")))
         for name, _ in specs:
-            got[name] = [r[name]["peak"] for r in ranks]
+            got[name] = [r[name]["peaks"] for r in ranks]
     return planned, got
 
 
@@ -149,9 +159,11 @@ def test_planned_step_memory_is_the_measured_peak(measured, case):
     largest peak the ranks measure."""
     planned, got = measured
     rows = [f"{case}: planned {planned[case] / 2**20:.2f} MiB"]
-    for r, peak in enumerate(got[case]):
-        rows.append(f"  rank {r}: measured {peak / 2**20:.2f} MiB, ratio {planned[case] / peak:.3f}")
+    for r, peaks in enumerate(got[case]):
+        seen = ", ".join(f"{p / 2**20:.2f}" for p in peaks)
+        rows.append(f"  rank {r}: measured {seen} MiB, ratio {planned[case] / min(peaks):.3f}")
     table = "\n".join(rows)
     print("\n" + table)
     tolerance = FSDP_TOLERANCE if "fsdp" in case or "zero1" in case else TOLERANCE
-    assert planned[case] == pytest.approx(max(got[case]), rel=tolerance), table
+    assert planned[case] == pytest.approx(max(min(peaks) for peaks in got[case]), rel=tolerance), table
+    assert max(max(peaks) for peaks in got[case]) <= planned[case] * (1 + ASYNC_BOUND), table
