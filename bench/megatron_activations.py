@@ -12,7 +12,8 @@ only case), bf16, flash attention; without sequence parallelism the layer's norm
 dropout part (``10 s b h``) is whole on each TP rank. The ends: the output layer and the loss,
 ``4 s b h (1 + V / h) / t`` with a pipeline of one stage (without sequence parallelism the output
 layer's input, ``4 s b h``, is whole on each TP rank, as the layer's norms are); the ends are given with the head and
-loss at once and over ``model.loss_chunks`` = 8 sequence chunks (``trainers/head_loss.py``). Sequence
+loss at once and over ``model.loss_chunks`` = 16 sequence chunks (``trainers/head_loss.py``; the count
+the search adds, ``orchestrator/planner/space.py``'s ``LEAN_CHUNKS``). Sequence
 4096, micro-batch 1, bf16 parameters and compute, fused attention, no dropout.
 """
 
@@ -30,9 +31,10 @@ from orchestrator import conf_dir  # noqa: E402
 from orchestrator.config import Config  # noqa: E402
 from orchestrator.planner import activations as acts  # noqa: E402
 from orchestrator.planner.shapes import ModelShape  # noqa: E402
+from orchestrator.planner.space import LEAN_CHUNKS  # noqa: E402
 
 SEQ, B = 4096, 1
-CHUNKS = 8  # model.loss_chunks of the last column
+CHUNKS = LEAN_CHUNKS  # model.loss_chunks of the last column
 LAYOUTS = [(1, False), (8, False), (8, True)]  # (tp, sequence parallel)
 
 

@@ -119,11 +119,13 @@ def _recompute(c: search.Candidate) -> str:
 
 def space_table(plans: List[search.SpacePlan]) -> str:
     """The shortlist of ``--devices N``: one point a row, its knobs, memory and speed (a
-    ``cmp`` column, trainer.compile, where the search varied it)."""
+    ``cmp`` column, trainer.compile, and a ``lc`` column, model.loss_chunks, where a row sets them)."""
     compiled = any(p.candidate.compile for p in plans)
+    chunked = any(p.candidate.loss_chunks > 1 for p in plans)
     head = (
         f"{'layout':<14}{'mbs':>4}{'m':>5} {'schedule':<17}{'v':>3} {'ckpt':<6}{'dp':<6}{'sp':<4}"
         + f"{'cmp':<4}" * compiled
+        + f"{'lc':>3} " * chunked
         + f"{'mem_gb':>8}{'fits':>5}{'bubble':>8}{'comm':>7}{'step_s':>10}{'mfu':>7}"
     )
     rows = [head, "-" * len(head)]
@@ -135,8 +137,8 @@ def space_table(plans: List[search.SpacePlan]) -> str:
             f"{c.layout:<14}{s.micro_batch:>4}{(s.microbatches if pipe else '-'):>5} "
             f"{(s.schedule if pipe else '-'):<17}{(s.chunks_per_rank if pipe else '-'):>3} "
             f"{_recompute(c):<6}{shard:<6}{_onoff(s.sequence_parallel):<4}"
-            + f"{_onoff(c.compile):<4}"
-            * compiled
+            + f"{_onoff(c.compile):<4}" * compiled
+            + f"{c.loss_chunks:>3} " * chunked
             + f"{_gb(p.memory.total / planner.GiB):>8}{'yes' if p.fits else 'no':>5}{_pct(p.step.bubble_fraction):>8}"
             f"{_pct(p.step.comm_share):>7}{p.step.step_time_s:>10.3f}{_pct(p.step.mfu):>7}"
         )

@@ -41,7 +41,7 @@ def test_cli_plans_every_layout_of_32_devices_as_json():
     rows = json.loads(proc.stdout)
     assert len(rows) >= 3
     knobs = {"micro_batch", "virtual_stages", "activation_checkpointing", "recompute_granularity", "dp_shard"}
-    knobs |= {"sequence_parallel", "recompute_layers", "compile"}
+    knobs |= {"sequence_parallel", "recompute_layers", "compile", "loss_chunks"}
     for row in rows:
         assert set(row) == CONTRACT | {"n_params", "pipeline_rank"} | knobs and set(row["memory_gb"]) == MEMORY_KEYS
         assert row["dp"] * row["tp"] * row["pp"] == 32

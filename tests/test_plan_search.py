@@ -5,6 +5,7 @@ planning_errors and plan_layout) gives, line for line and float for float."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,9 +17,12 @@ from orchestrator import planner
 from orchestrator.planner import search
 from orchestrator.planner.fast_plan import FastPlanner
 from orchestrator.planner.space import (
+    LEAN_CHUNKS,
     Space,
     candidate_config,
+    chunked_twin_line,
     compile_choices,
+    loss_chunk_choices,
     memory_reason,
     reason_key,
     recompute_counts,
@@ -111,7 +115,13 @@ def test_partial_recompute_points_sit_between_none_and_all(compose_cfg):
     ov, n = LLAMA70_1024
     base, _ = search.base_config(compose_cfg(ov))
     fast = FastPlanner(base, n)
-    space = Space(schedules=("1f1b",), recompute_granularity=("full",), dp_shard=("zero1",), layouts=((16, 8, 8),))
+    space = Space(
+        schedules=("1f1b",),
+        recompute_granularity=("full",),
+        dp_shard=("zero1",),
+        layouts=((16, 8, 8),),
+        loss_chunks=(1,),
+    )
     pts = [c for c in search.points(base, n, space) if c.microbatches == 64 and c.sequence_parallel]
     assert [c.recompute_layers for c in pts if c.activation_checkpointing] == [-1, 3, 5, 8]
     order = sorted(pts, key=lambda c: (c.activation_checkpointing, c.recompute_layers % 11))  # none, 3, 5, 8, all
@@ -121,6 +131,42 @@ def test_partial_recompute_points_sit_between_none_and_all(compose_cfg):
     step = [p.step.step_time_s for p in plans]
     assert mem == sorted(mem, reverse=True) and len(set(mem)) == 5
     assert step == sorted(step) and len(set(step)) == 5
+
+
+def test_the_search_chunks_the_loss_only_where_the_whole_loss_does_not_fit(compose_cfg):
+    """model.loss_chunks is a knob of the search on an accelerator (1 and LEAN_CHUNKS): each
+    chunked point plans no more activations (fewer where the last stage is the most loaded rank)
+    and a longer step than its unchunked twin, so it is
+    planned only where that twin does not fit, and counted out under the search's own line where
+    it does. On one 70B layout of 1024 910Bs some points fit only chunked."""
+    assert loss_chunk_choices(Space(), "npu", 1) == [1, LEAN_CHUNKS]
+    assert loss_chunk_choices(Space(), "cuda", 4) == [4]
+    assert loss_chunk_choices(Space(), "cpu", 1) == [1]
+    assert loss_chunk_choices(Space(loss_chunks=(1, 8)), "cpu", 1) == [1, 8]
+    ov, n = LLAMA70_1024
+    base, _ = search.base_config(compose_cfg(ov))
+    fast = FastPlanner(base, n)
+    space = Space(layouts=((32, 4, 8),), schedules=("gpipe", "1f1b"))
+    pts = list(search.points(base, n, space))
+    chunked = [c for c in pts if c.loss_chunks > 1]
+    assert len(chunked) * 2 == len(pts) and {c.loss_chunks for c in chunked} == {LEAN_CHUNKS}
+    twins = lighter = 0
+    for c in chunked[::7]:
+        lean, whole = fast.plan(c, with_step=True), fast.plan(dataclasses.replace(c, loss_chunks=1), with_step=True)
+        if lean.errors or whole.errors:
+            continue
+        # less, or as much where the most loaded rank is not the last stage (1F1B's first)
+        assert lean.memory.activations <= whole.memory.activations, c.name
+        assert lean.step.step_time_s > whole.step.step_time_s, c.name
+        twins += 1
+        lighter += lean.memory.activations < whole.memory.activations
+    assert twins >= 10 and lighter >= 5
+    res = search.plan_space(compose_cfg(ov), n, space)
+    fit = {p.candidate for p in res.plans}
+    only_chunked = [c for c in fit if c.loss_chunks > 1]
+    assert only_chunked and not any(dataclasses.replace(c, loss_chunks=1) in fit for c in only_chunked)
+    left_out = [c for c in chunked if dataclasses.replace(c, loss_chunks=1) in fit]
+    assert res.excluded[search.reason_key(chunked_twin_line(chunked[0]))].count == len(left_out) > 0
 
 
 def test_the_search_compiles_where_the_backend_fuses_on_an_accelerator(compose_cfg):

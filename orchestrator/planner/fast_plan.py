@@ -90,12 +90,12 @@ class FastPlanner:
         self.cfg.chip.emulate = True  # planned as emulated, as planning_errors plans it
         # one model shape for each recompute setting a point can set (checkpointing, granularity,
         # blocks of a stage chunk that recompute), made as points ask for them
-        self.models: Dict[Tuple[bool, str, int], ModelShape] = {}
-        self.whole = self.model(False, "full", -1)
+        self.models: Dict[Tuple[bool, str, int, int], ModelShape] = {}
+        self.whole = self.model(False, "full", -1, int(self.cfg.model.loss_chunks))
         pr, cm, ch, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
         self.pb, self.gb, _ = state_bytes(pr, pl)
         self.act_bytes = {
-            (ck, g): ActBytes.of(pr, self.model(ck, g, -1), str(ch.device_type))
+            (ck, g): ActBytes.of(pr, self.model(ck, g, -1, 1), str(ch.device_type))
             for ck in (False, True)
             for g in ("full", "selective")
         }
@@ -106,11 +106,14 @@ class FastPlanner:
         self._params: Dict[Tuple, int] = {}
         self._dp_buf: Dict[Tuple, float] = {}
 
-    def model(self, checkpointing: bool, granularity: str, recompute_layers: int) -> ModelShape:
-        """The model shape of one recompute setting."""
-        key = (checkpointing, granularity, recompute_layers)
+    def model(self, checkpointing: bool, granularity: str, recompute_layers: int, loss_chunks: int) -> ModelShape:
+        """The model shape of one recompute setting and loss chunk count."""
+        key = (checkpointing, granularity, recompute_layers, loss_chunks)
         knobs = dict(
-            activation_checkpointing=checkpointing, recompute_granularity=granularity, recompute_layers=recompute_layers
+            activation_checkpointing=checkpointing,
+            recompute_granularity=granularity,
+            recompute_layers=recompute_layers,
+            loss_chunks=loss_chunks,
         )
         return _memo(self.models, key, lambda: ModelShape.of(dict(self.cfg.model, **knobs)))
 
@@ -192,7 +195,7 @@ class FastPlanner:
         lines = self.errors(cfg)
         if lines:
             return FastPlan(c, lines)
-        m = self.model(bool(c.activation_checkpointing), c.recompute_granularity, c.recompute_layers)
+        m = self.model(bool(c.activation_checkpointing), c.recompute_granularity, c.recompute_layers, c.loss_chunks)
         s = ParallelShape.of(cfg.parallel, cfg.trainer, Layout(c.dp, c.tp, c.pp), str(cfg.chip.device_type))
         out = FastPlan(c, [], s, m, self.memory(m, s))
         if with_step:

@@ -7,6 +7,7 @@ break. :func:`plan_space` is the Python API (an auto-tuner's); :func:`plan_devic
 from __future__ import annotations
 
 import copy
+import dataclasses
 import heapq
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from orchestrator.planner.space import (
     Candidate,
     Space,
     candidates,
+    chunked_twin_line,
     compile_choices,
+    loss_chunk_choices,
     memory_line,
     memory_reason,
     reason_key,
@@ -121,6 +124,7 @@ class SpacePlan:
             recompute_granularity=c.recompute_granularity,
             recompute_layers=c.recompute_layers,
             compile=c.compile,
+            loss_chunks=c.loss_chunks,
             dp_shard=c.dp_shard,
             sequence_parallel=self.shape.sequence_parallel,
         )
@@ -177,7 +181,7 @@ def _rank_key(p: SpacePlan) -> Tuple:
     c = p.candidate
     return (p.step.step_time_s, p.memory.total, c.dp, c.tp, c.pp, c.micro_batch, c.schedule, c.virtual_stages,
             c.activation_checkpointing, c.recompute_granularity, c.recompute_layers, c.dp_shard,
-            c.sequence_parallel, c.compile)  # fmt: skip
+            c.sequence_parallel, c.compile, c.loss_chunks)  # fmt: skip
 
 
 def base_config(cfg: DictConfig, coverage: Optional[OpCoverage] = None) -> Tuple[DictConfig, OpCoverage]:
@@ -192,11 +196,13 @@ def points(base: DictConfig, devices: int, space: Space = Space()) -> Iterator[C
     """Every point of the space, layout by layout (:func:`layouts`, :func:`space.candidates`;
     ``space.layouts``, where given, the ones of them to plan)."""
     t = base.trainer
-    compiles = compile_choices(space, str(base.chip.device_type), str(t.compile_backend), bool(t.compile))
+    device = str(base.chip.device_type)
+    compiles = compile_choices(space, device, str(t.compile_backend), bool(t.compile))
+    chunks = loss_chunk_choices(space, device, int(base.model.loss_chunks))
     for dp, tp, pp in layouts(devices, base.model, base.chip, space.max_pp):
         if space.layouts and (dp, tp, pp) not in space.layouts:
             continue
-        yield from candidates(dp, tp, pp, int(t.global_batch), int(base.model.n_layers), space, compiles)
+        yield from candidates(dp, tp, pp, int(t.global_batch), int(base.model.n_layers), space, compiles, chunks)
 
 
 def _exclude(
@@ -240,11 +246,15 @@ def plan_space(
     excluded: Dict[str, Excluded] = {}
     by_layout: Dict[str, LayoutSummary] = {}
     count = 0
+    unchunked_fits = set()  # points with model.loss_chunks=1 that fit: their chunked twins are slower
 
     for c in points(base, devices, space):
         count += 1
         summary = by_layout.setdefault(c.layout, LayoutSummary())
         summary.candidates += 1
+        if c.loss_chunks > 1 and dataclasses.replace(c, loss_chunks=1) in unchunked_fits:
+            _exclude(excluded, summary, FastPlan(c, []), [chunked_twin_line(c)])
+            continue
         p = fast.plan(c)
         if p.errors:
             _exclude(excluded, summary, p, p.errors)
@@ -260,6 +270,7 @@ def plan_space(
             continue
         sp = SpacePlan(c, p.shape, p.memory, fast.step(p.model, p.shape), n_params)
         plans.append(sp)
+        unchunked_fits.update([c] * (c.loss_chunks == 1))
         summary.fit += 1
         if summary.best is None or _rank_key(sp) < _rank_key(summary.best):
             summary.best = sp

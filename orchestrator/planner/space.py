@@ -9,7 +9,9 @@ pipeline schedule and its stages per rank, ``model.activation_checkpointing`` wi
 three quarters of the chunk's blocks, :func:`recompute_counts`; Megatron's
 ``--recompute-method block --recompute-num-layers N``),
 ``parallel.dp_shard`` (each data-parallel mode, :data:`trainers.rules.DP_MODES`),
-``parallel.sequence_parallel`` and ``trainer.compile`` (where it helps, :func:`compile_choices`).
+``parallel.sequence_parallel``, ``trainer.compile`` (where it helps, :func:`compile_choices`) and
+``model.loss_chunks`` (the head and loss over sequence chunks on an accelerator,
+:func:`loss_chunk_choices`).
 Values that change nothing the trainer does are not separate points: ``dp_shard`` is ``ddp``
 with one replica; sequence parallelism only with ``tp > 1``; ``virtual_stages`` is the stages per rank the schedule runs
 (1 for GPipe and 1F1B, 2 for ZB-V, for interleaved 1F1B each count from 2 whose stages split the
@@ -60,6 +62,7 @@ class Candidate:
     recompute_granularity: str = "full"  # what checkpointing recomputes (read only with it on)
     recompute_layers: int = -1  # the first N blocks of each stage chunk recompute; -1: all of them
     compile: bool = False  # trainer.compile: each block through torch.compile
+    loss_chunks: int = 1  # model.loss_chunks: the head and loss over this many sequence chunks
 
     @property
     def layout(self) -> str:
@@ -75,6 +78,7 @@ class Candidate:
             parts.append("sel" if self.recompute_granularity == "selective" else "ckpt")
             parts[-1] += str(self.recompute_layers) * (self.recompute_layers >= 0)
         parts += [self.dp_shard] * (self.dp_shard != "ddp" and self.dp > 1)
+        parts += [f"chunks{self.loss_chunks}"] * (self.loss_chunks > 1)
         return "+".join(parts) + ("+sp" if self.sequence_parallel else "") + ("+compiled" if self.compile else "")
 
     def values(self, devices: int, devices_per_node: int) -> Dict[str, Any]:
@@ -93,6 +97,7 @@ class Candidate:
             "model.activation_checkpointing": self.activation_checkpointing,
             "model.recompute_granularity": self.recompute_granularity,
             "model.recompute_layers": self.recompute_layers,
+            "model.loss_chunks": self.loss_chunks,
             "launch.world_size": devices,
             "launch.nnodes": -(-devices // max(1, devices_per_node)),
         }
@@ -119,6 +124,7 @@ class Space:
     sequence_parallel: Tuple[bool, ...] = (False, True)
     max_pp: int = 0  # 0: every pipeline depth that divides the layers
     compile: Tuple[bool, ...] = ()  # trainer.compile values; empty: compile_choices' rule
+    loss_chunks: Tuple[int, ...] = ()  # model.loss_chunks values; empty: loss_chunk_choices' rule
     layouts: Tuple[Tuple[int, int, int], ...] = ()  # (dp, tp, pp) to plan; empty: every one
 
 
@@ -148,6 +154,21 @@ def compile_choices(space: Space, device_type: str, backend: str, composed: bool
     return [composed]
 
 
+LEAN_CHUNKS = 16  # the chunked loss's count where the search adds one (docs/planner.md, "Lean ends")
+
+
+def loss_chunk_choices(space: Space, device_type: str, composed: int) -> List[int]:
+    """``model.loss_chunks`` values of the search: ``space.loss_chunks`` where given; on an
+    accelerator the composed value and, where that is 1, :data:`LEAN_CHUNKS` too (the ends then
+    keep about Megatron's bytes, ``bench/megatron_activations.py``, for one more head forward);
+    on the CPU the composed value alone, as :func:`compile_choices` keeps it there."""
+    if space.loss_chunks:
+        return list(space.loss_chunks)
+    if device_type != "cpu" and composed == 1:
+        return [1, LEAN_CHUNKS]
+    return [composed]
+
+
 def recompute_counts(chunk_blocks: int, shares: Sequence[float]) -> List[int]:
     """``model.recompute_layers`` values of full recompute on stage chunks of ``chunk_blocks``
     blocks: -1 (all), then each share of the chunk rounded up to whole blocks, where that is some
@@ -164,6 +185,7 @@ def candidates(
     n_layers: int,
     space: Space = Space(),
     compiles: Sequence[bool] = (False,),
+    chunks: Sequence[int] = (1,),
 ) -> Iterator[Candidate]:
     """Every point of one layout. The batch values are divisors of the replica's batch (a
     replica's batch that ``dp`` does not divide gets one point, for the validator to refuse)."""
@@ -191,7 +213,10 @@ def candidates(
             for shard in shards:
                 for sp in sps:
                     for compiled in compiles:
-                        yield Candidate(dp, tp, pp, mb, m, sched, v, ckpt, shard, sp, granularity, count, compiled)
+                        for n in chunks:
+                            yield Candidate(
+                                dp, tp, pp, mb, m, sched, v, ckpt, shard, sp, granularity, count, compiled, n
+                            )
 
 
 def search_errors(c: Candidate, n_layers: int) -> List[str]:
@@ -206,6 +231,15 @@ def search_errors(c: Candidate, n_layers: int) -> List[str]:
             f"model.n_layers={n_layers} evenly"
         ]
     return []
+
+
+def chunked_twin_line(c: Candidate) -> str:
+    """Why the search leaves out a chunked point whose ``model.loss_chunks=1`` twin fits: it is the
+    same point with one more head forward (``shapes.head_recompute_flops``), never faster."""
+    return (
+        f"search: model.loss_chunks={c.loss_chunks} where the same point fits unchunked: only one more "
+        "head forward per micro-batch"
+    )
 
 
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(\.\d+)?(?![\w])")
