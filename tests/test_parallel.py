@@ -9,9 +9,10 @@ another order, so bit-equality is not expected).
 from __future__ import annotations
 
 import pytest
+from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator import trial
-from tests.conftest import assert_planned_state_bytes, metric_history, search_runs, single_process
+from tests.conftest import assert_planned_state_bytes, composed, metric_history, search_runs, single_process
 
 pytestmark = pytest.mark.distributed
 
@@ -148,13 +149,36 @@ def test_topk_compression_with_error_feedback_reaches_the_fp32_band(compose_cfg,
     assert len(sent) == 60 and all(0 < s <= 0.21 * f for s, f in zip(sent, full))  # 10% values + indices
 
 
+@pytest.fixture(scope="module")
+def dense_dp2(tmp_path_factory):
+    """Dense DDP on dp2, the reference each compression is held to: its losses and its run."""
+    uri = "sqlite:///" + str(tmp_path_factory.mktemp("dense") / "mlruns.db")
+    overrides = [*BASE, "parallel=dp2", "trainer.steps=8", f"tracking.uri={uri}"]
+    result = trial.run(composed(overrides), overrides, progress=False)
+    GlobalHydra.instance().clear()
+    return result["summary"]["losses"]
+
+
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "powersgd"])
-def test_other_compressions_train(compose_cfg, compression):
-    overrides = [*BASE, "parallel=dp2", "trainer.steps=8", f"comm.compression={compression}", "tracking.enabled=false"]
-    result = trial.run(compose_cfg(overrides), overrides, progress=False)
+def test_other_compressions_act_and_train(compose_cfg, mlflow_uri, dense_dp2, compression):
+    """Each compression acts: the casts put half of dense DDP's bytes on the wire every step (what
+    the hook counts), and each moves the losses off dense DDP's after the first step (PowerSGD from
+    its third, start_powerSGD_iter=2, when it stops all-reducing whole gradients), and still learns.
+    A compression accepted and ignored would give dense DDP's losses here."""
+    overrides = [*BASE, "parallel=dp2", "trainer.steps=8", f"comm.compression={compression}"]
+    result = trial.run(compose_cfg([*overrides, f"tracking.uri={mlflow_uri}"]), overrides, progress=False)
     assert result["status"] == "finished", result.get("reason")
     losses = result["summary"]["losses"]
     assert losses[-1] < losses[0]
+    assert losses[0] == pytest.approx(dense_dp2[0], rel=1e-6)  # the same model, data and first batch
+    first_moved = 3 if compression == "powersgd" else 1
+    assert all(a == pytest.approx(b, rel=1e-6) for a, b in zip(losses[:first_moved], dense_dp2)), (losses, dense_dp2)
+    assert losses[first_moved:] != pytest.approx(dense_dp2[first_moved:], rel=1e-6), (losses, dense_dp2)
+    if compression != "powersgd":  # PowerSGD's volume follows its per-tensor rank choices: not counted
+        run_id = result["run_id"]
+        sent = [m.value for m in metric_history(mlflow_uri, run_id, "comm_sent_mb")]
+        dense = [m.value for m in metric_history(mlflow_uri, run_id, "comm_dense_mb")]
+        assert len(sent) == 8 and all(s == pytest.approx(d / 2, rel=1e-9) and d > 0 for s, d in zip(sent, dense))
 
 
 def test_emulated_ascend_tp2pp2_records_layout_bubble_and_loss_scale(compose_cfg, mlflow_uri):
