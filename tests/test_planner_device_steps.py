@@ -21,12 +21,15 @@ LLAMA = ["model=llama_1b", "trainer.seq_len=2048", "trainer.global_batch=16", "t
 # the trainer the check ran kept autograd's decomposition of RMSNorm and SwiGLU (before
 # trainers/lean_ops.py): its steps are planned as it ran
 AS_RECORDED = ["model.lean_ops=false"]
-# (case, the check's overrides, median step seconds in each run; bf16)
+# the host-bound steps' own spread: gpt2_small's two runs of the same check differ by 38%
+HOST_BOUND = 0.20
+DEVICE_BOUND = 0.05  # llama_1b's planned steps are 0.99-1.01 of the measured
+# (case, the check's overrides, median step seconds in each run, tolerance; bf16)
 H200 = [
-    ("gpt2_small", [*GPT2, "trainer.compile=false"], (0.0517, 0.0716)),
-    ("gpt2_small+compile", [*GPT2, "trainer.compile=true"], (0.0558,)),
-    ("llama_1b", [*LLAMA, *AS_RECORDED, "trainer.compile=false"], (0.5307, 0.5354)),
-    ("llama_1b+compile", [*LLAMA, *AS_RECORDED, "trainer.compile=true"], (0.3843,)),
+    ("gpt2_small", [*GPT2, "trainer.compile=false"], (0.0517, 0.0716), HOST_BOUND),
+    ("gpt2_small+compile", [*GPT2, "trainer.compile=true"], (0.0558,), HOST_BOUND),
+    ("llama_1b", [*LLAMA, *AS_RECORDED, "trainer.compile=false"], (0.5307, 0.5354), DEVICE_BOUND),
+    ("llama_1b+compile", [*LLAMA, *AS_RECORDED, "trainer.compile=true"], (0.3843,), DEVICE_BOUND),
 ]
 
 
@@ -34,11 +37,13 @@ def planned_step(compose_cfg, overrides) -> float:
     return planner.preflight(compose_cfg(["+chip=h200", "precision=bf16", *overrides]))["step"]["step_time_s"]
 
 
-@pytest.mark.parametrize("name,overrides,measured", H200, ids=[r[0] for r in H200])
-def test_the_default_step_time_is_within_a_third_of_the_h200_s(compose_cfg, name, overrides, measured):
+@pytest.mark.parametrize("name,overrides,measured,tolerance", H200, ids=[r[0] for r in H200])
+def test_the_default_step_time_is_the_h200_s(compose_cfg, name, overrides, measured, tolerance):
+    """Each run's median step within the row's tolerance: 5% where the device sets the step, 20%
+    where the host does (planned 0.84-1.16 of gpt2_small's two runs, which differ by 38%)."""
     planned = planned_step(compose_cfg, overrides)
     for step_s in measured:
-        assert 2 / 3 < planned / step_s < 4 / 3, (name, planned, step_s)
+        assert planned == pytest.approx(step_s, rel=tolerance), (name, planned, step_s)
 
 
 def test_compile_s_speedup_on_the_device_bound_model_is_the_fused_kernels_traffic(compose_cfg):
