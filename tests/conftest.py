@@ -109,9 +109,10 @@ def _rank_main(rank: int, world: int, port: int, measure, specs: list, extra: tu
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # a rank that waits 5 minutes on a peer is stuck, not slow (these collectives take seconds):
-    # fail then, not after gloo's default 30
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+    # a rank that waits 15 minutes on a peer is stuck, not slow (these collectives take seconds):
+    # fail then, not after gloo's default 30. Not less: a compiled case's peer may still be in
+    # Inductor's compile, which took over 5 minutes on a loaded 2-core host (its cache is shared)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=15))
     cpu = torch.device("cpu")
     results = {}
     try:

@@ -162,11 +162,17 @@ def planned(case: str) -> dict:
     }
 
 
+# the counts are exact but for a 16-bit LayerNorm run outside fp32 on the CPU, whose statistics the
+# plan counts in fp32, as CUDA's kernel keeps them (4 bytes a token more: 0.19-0.26% here); a slip
+# such as query heads for kv heads in a GQA count (4.75%) is far outside
+EXACT = 0.003
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_planned_block_head_and_embedding_bytes_are_what_autograd_saves(case):
     got, want = measured(case), planned(case)
     for part in ("block", "head", "embedding"):
-        assert want[part] == pytest.approx(got[part], rel=0.05), (case, part, got[part], want[part])
+        assert want[part] == pytest.approx(got[part], rel=EXACT), (case, part, got[part], want[part])
 
 
 @pytest.mark.parametrize("case", COMPILED_CASES)
@@ -192,7 +198,7 @@ def test_dropout_counts_only_when_set():
     """Dropout 0 saves no mask: the planner's decomposed block at dropout 0 is the measured one,
     well below the dropout > 0 one (on gpt_tiny here 1.4x)."""
     assert measured("gpt-decomposed")["block"] < 0.8 * measured("gpt-decomposed-dropout")["block"]
-    assert planned("gpt-decomposed")["block"] == pytest.approx(measured("gpt-decomposed")["block"], rel=0.05)
+    assert planned("gpt-decomposed")["block"] == measured("gpt-decomposed")["block"]
 
 
 def live_after_forward(case: str, n_layers: int, **recompute) -> int:
@@ -232,7 +238,7 @@ def live_after_forward(case: str, n_layers: int, **recompute) -> int:
 def test_checkpointed_block_keeps_its_input_only(case):
     per_block = (live_after_forward(case, 4) - live_after_forward(case, 2)) / 2
     _, _, m, ab = build(case)
-    assert checkpointed_layer_bytes(m, SEQ, B, 1, False, ab) == pytest.approx(per_block, rel=0.05), per_block
+    assert checkpointed_layer_bytes(m, SEQ, B, 1, False, ab) == per_block
 
 
 # selective recomputation on each attention path: fused (GPT's view output, Llama's copy and RoPE),

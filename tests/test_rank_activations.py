@@ -206,6 +206,14 @@ def measured(tmp_path_factory):
     return planned, got
 
 
+# within 0.2% on every case but two (a pipeline's bf16 RMSNorm statistics, 1-3 KiB): a slip such as
+# query heads for kv heads in a GQA count (4.75%) is far outside. The two: the chunked loss under
+# sequence parallelism, planned 32 KiB (2.3%) above what its checkpoints keep, and the compiled
+# block, whose partition keeps 0.6% less than the planned min-cut
+TOLERANCE = 0.003
+LOOSER = {"tp2-sp-llama-bf16-chunks": 0.03, "tp2-sp-llama-bf16-compiled": 0.01}
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_planned_activations_per_rank_are_what_autograd_holds(measured, case):
@@ -217,4 +225,4 @@ def test_planned_activations_per_rank_are_what_autograd_holds(measured, case):
     print("\n" + table)
     for want, row in zip(planned[case], got[case]):
         assert row["after"] == 0, table  # the step's backward released everything it saved
-        assert want == pytest.approx(row["peak"], rel=0.05), table
+        assert want == pytest.approx(row["peak"], rel=LOOSER.get(case, TOLERANCE)), table
