@@ -64,8 +64,7 @@ def layout_rules(cfg: DictConfig, err: Callable[[str], None]) -> Optional[Layout
         )
     if p.sequence_parallel and lay.tp == 1:
         err("parallel.sequence_parallel=true needs parallel.tp>1")
-    # the chunked loss slices the sequence positions each rank holds (trainers/head_loss.py)
-    held = int(cfg.trainer.seq_len) // (lay.tp if p.sequence_parallel and lay.tp > 1 else 1)
+    held = chunkable_positions(int(cfg.trainer.seq_len), lay.tp, bool(p.sequence_parallel))
     if not 1 <= int(cfg.model.loss_chunks) <= held:
         err(
             f"model.loss_chunks={cfg.model.loss_chunks}: must be from 1 to the {held} sequence positions "
@@ -74,6 +73,12 @@ def layout_rules(cfg: DictConfig, err: Callable[[str], None]) -> Optional[Layout
         )
 
     return lay
+
+
+def chunkable_positions(seq_len: int, tp: int, sequence_parallel: bool) -> int:
+    """The sequence positions each rank's head holds, which the chunked loss slices
+    (trainers/head_loss.py): model.loss_chunks is from 1 to these."""
+    return seq_len // (tp if sequence_parallel and tp > 1 else 1)
 
 
 def _pipeline_rules(cfg: DictConfig, lay: Layout, per_replica: int, rem: int, err: Callable[[str], None]) -> None:

@@ -325,7 +325,7 @@ def block_activation_bytes(m: ModelShape, s: ParallelShape, ab: ActBytes, recomp
     if s.min_cut:
         return fused_layer_activation_bytes(m, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, ab)
     # a compiled block traces the decomposition, not the lean functions (trainers/lean_ops.py)
-    block = dataclasses.replace(m, lean=m.lean and not s.compiled)
+    block = dataclasses.replace(m, lean=False) if m.lean and s.compiled else m
     keep = not (s.compiled or recomputing)
     return layer_activation_bytes(block, s.seq_len, s.micro_batch, s.tp, s.sequence_parallel, ab, keep)
 

@@ -32,6 +32,7 @@ from orchestrator.planner.space import (
     reason_key,
 )
 from orchestrator.planner.step_time import StepEstimate
+from orchestrator.validate_layout import chunkable_positions
 
 
 def _divisors(n: int) -> List[int]:
@@ -247,16 +248,28 @@ def plan_space(
     by_layout: Dict[str, LayoutSummary] = {}
     count = 0
     unchunked_fits = set()  # points with model.loss_chunks=1 that fit: their chunked twins are slower
+    # the rules an unchunked point broke, which its chunked twin breaks alike while its chunk count
+    # keeps the one rule that reads it (chunkable_positions)
+    unchunked_errors: Dict[Candidate, List[str]] = {}
+    seq_len = int(base.trainer.seq_len)
 
     for c in points(base, devices, space):
         count += 1
         summary = by_layout.setdefault(c.layout, LayoutSummary())
         summary.candidates += 1
-        if c.loss_chunks > 1 and dataclasses.replace(c, loss_chunks=1) in unchunked_fits:
-            _exclude(excluded, summary, FastPlan(c, []), [chunked_twin_line(c)])
-            continue
+        if c.loss_chunks > 1:
+            twin = dataclasses.replace(c, loss_chunks=1)
+            if twin in unchunked_fits:
+                _exclude(excluded, summary, FastPlan(c, []), [chunked_twin_line(c)])
+                continue
+            lines = unchunked_errors.get(twin)
+            if lines and c.loss_chunks <= chunkable_positions(seq_len, c.tp, c.sequence_parallel):
+                _exclude(excluded, summary, FastPlan(c, lines), lines)
+                continue
         p = fast.plan(c)
         if p.errors:
+            if c.loss_chunks == 1:
+                unchunked_errors[c] = p.errors
             _exclude(excluded, summary, p, p.errors)
             continue
         assert p.memory is not None and p.model is not None and p.shape is not None
