@@ -206,12 +206,12 @@ def measured(tmp_path_factory):
     return planned, got
 
 
-# within 0.2% on every case but two (a pipeline's bf16 RMSNorm statistics, 1-3 KiB): a slip such as
-# query heads for kv heads in a GQA count (4.75%) is far outside. The two: the chunked loss under
-# sequence parallelism, planned 32 KiB (2.3%) above what its checkpoints keep, and the compiled
-# block, whose partition keeps 0.6% less than the planned min-cut
+# within 0.2% on every case but one (a pipeline's bf16 RMSNorm statistics, 1-3 KiB): a slip such as
+# query heads for kv heads in a GQA count (4.75%) is far outside. The one: the compiled block, whose
+# partition keeps 0.6% less than the planned min-cut. (The chunked loss in bf16 was planned 32 KiB
+# over, the head weight's cast, which its chunks make inside their checkpoints: now a transient.)
 TOLERANCE = 0.003
-LOOSER = {"tp2-sp-llama-bf16-chunks": 0.03, "tp2-sp-llama-bf16-compiled": 0.01}
+LOOSER = {"tp2-sp-llama-bf16-compiled": 0.01}
 
 
 @pytest.mark.distributed

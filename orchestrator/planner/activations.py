@@ -281,9 +281,10 @@ def loss_transient_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes,
     if m.loss_chunks > 1:
         # one chunk's, in its backward, and the head's weight gradient that chunk makes before
         # autograd adds it into the others' (in the compute dtype: the chunks share autocast's
-        # one cast of the weight, whose backward casts the sum once)
+        # one cast of the weight, whose backward casts the sum once); and that cast, made again
+        # by the chunk's recompute (inside the checkpoint, so not among the saved activations)
         chunk = chunked_loss_transient_bytes(tp, ab) * logits / m.loss_chunks
-        return chunk + -(-m.vocab // tp) * m.d * ab.linear
+        return chunk + -(-m.vocab // tp) * m.d * ab.linear + head_weight_cast_bytes(m, tp, ab)
     if tp == 1:
         return (8.0 + (ab.linear if pipelined else 0)) * logits
     return (4.0 + (ab.linear if ab.linear < 4 else 0)) * logits
@@ -355,5 +356,6 @@ def rank_activation_bytes(m: ModelShape, s: ParallelShape, rc: Any, rank: int, a
     if rc.head:
         head_k = s.microbatches if s.pp > 1 and s.schedule == "gpipe" else 1
         act += head_k * head_activation_bytes(m, seq, b, tp, sp, ab)
-        act += head_weight_cast_bytes(m, tp, ab)
+        if m.loss_chunks <= 1:  # the chunks cast the weight inside their checkpoints: a transient
+            act += head_weight_cast_bytes(m, tp, ab)
     return act
