@@ -57,11 +57,10 @@ def model_fields(where: str) -> Dict[str, Any]:
         )
     family = known[0][1]
     checks = [("hidden_act", hf.get("hidden_act", "silu"), "silu")]
-    if family == "llama":  # Mistral's and Qwen2's configs have no such fields: their layers are fixed
-        checks += [
-            ("attention_bias", hf.get("attention_bias", False), False),
-            ("mlp_bias", hf.get("mlp_bias", False), False),
-        ]
+    if family in ("llama", "qwen3"):  # Mistral's and Qwen2's configs have no such fields: fixed layers
+        checks.append(("attention_bias", hf.get("attention_bias", False), False))
+    if family == "llama":
+        checks.append(("mlp_bias", hf.get("mlp_bias", False), False))
     bad = [(f, v, want) for f, v, want in checks if v != want]
     kinds = sorted(set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"})
     if kinds:
@@ -105,7 +104,7 @@ def sliding_window(hf: Dict[str, Any], family: str) -> int:
     window = int(hf.get("sliding_window") or 0)
     if family == "mistral":
         return window
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         sliding = bool(hf.get("use_sliding_window")) or "sliding_attention" in (hf.get("layer_types") or [])
         return window if sliding else 0
     return 0

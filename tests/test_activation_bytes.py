@@ -92,6 +92,9 @@ CASES = {
     "llama-bf16-fp32ops": (LLAMA_TINY, {}, "bf16", "bf16", ALL_FP32),
     "llama-bf16-no-fp32ops": (LLAMA_TINY, {}, "bf16", "bf16", []),
     "llama-bf16-decomposed": (LLAMA_TINY, dict(attn_impl="decomposed"), "bf16", "bf16", ALL_FP32),
+    # Qwen3's per-head q and k norms, lean and as autograd's decomposition
+    "qwen3-fp32params-bf16": (LLAMA_TINY, dict(family="qwen3"), "fp32", "bf16", ALL_FP32),
+    "qwen3-not-lean": (LLAMA_TINY, dict(family="qwen3", lean_ops=False), "fp32", "fp32", ALL_FP32),
 }
 # each branch of the fused count once (each case compiles a block, 2-5 s): LayerNorm, GELU,
 # dropout with an fp32 softmax over bf16; autocast's casts, RMSNorm, SwiGLU, RoPE and GQA with the

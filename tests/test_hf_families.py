@@ -1,6 +1,7 @@
-"""Mistral and Qwen2 folders as the installed ``transformers`` writes them, against
+"""Mistral, Qwen2 and Qwen3 folders as the installed ``transformers`` writes them, against
 ``transformers`` itself: each trains under tp2 from transformers' own first loss (Qwen2's q, k
-and v biases loaded into the tensor-parallel shards, q's and k's in RoPE's channel order), and
+and v biases loaded into the tensor-parallel shards, q's and k's in RoPE's channel order; Qwen3's
+per-head q and k norms, replicated over the shards' heads, their weights in that order too), and
 exports, with a learning rate too small to move an fp32 weight (1e-30), the very tensors it read
 and a ``config.json`` that transformers reads back as the same family. A window shorter than the sequence is refused by
 name, exit 2."""
@@ -22,6 +23,8 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     # no window: Mistral 7B v0.2 and later; v0.1's 4096 is held against the sequence (below)
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+    # head_dim as hidden / heads (Qwen3Config's default is 128): the trainer builds no other
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": SHAPE["hidden_size"] // 4}),
 }
 
 
@@ -38,6 +41,11 @@ def folders(tmp_path_factory):
                 for layer in model.model.layers:
                     for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                         proj.bias.normal_(0.0, 0.5)
+        if family == "qwen3":  # the norms start at 1, which any channel order keeps: make them count
+            with torch.no_grad():
+                for layer in model.model.layers:
+                    for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                        norm.weight.normal_(1.0, 0.5)
         model.save_pretrained(folder)
         out[family] = (folder, first_loss(model, folder))
     return out
@@ -48,6 +56,7 @@ def test_the_families_read_as_their_model_config(folders):
     mistral = hf_model.model_fields(str(folders["mistral"][0]))
     assert (qwen["family"], qwen["sliding_window"]) == ("qwen2", 0)
     assert (mistral["family"], mistral["sliding_window"]) == ("mistral", 0)
+    assert hf_model.model_fields(str(folders["qwen3"][0]))["family"] == "qwen3"
 
 
 @pytest.mark.distributed
@@ -67,6 +76,7 @@ def test_tp2_starts_from_transformers_own_loss_and_exports_what_it_read(folders,
     src, dst = Checkpoint(str(folder)), Checkpoint(str(out))
     names = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
     assert ("model.layers.0.self_attn.q_proj.bias" in names) == (family == "qwen2")
+    assert ("model.layers.0.self_attn.q_norm.weight" in names) == (family == "qwen3")
     for name in names:  # steps of ~1e-30 leave every weight as it was: the tensors it read, in their layout
         assert torch.equal(dst.tensor(name), src.tensor(name)), name
 

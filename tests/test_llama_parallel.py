@@ -75,6 +75,10 @@ LAYOUTS = {
     # fp16 with dynamic loss scaling against the fp16 single process: the same scale, the same skips
     "tp2pp2-fp16": ["parallel=tp2pp2", "precision=fp16"],
     "dp2pp2-fp16": ["parallel=dp2pp2", "precision=fp16"],
+    # Qwen3's per-head q and k norms: one weight over heads split across the TP ranks, whose
+    # gradient each rank holds a part of (summed by DTensor), under FSDP over the TP shards too
+    "tp2-sequence-parallel-qwen3": ["parallel=tp2", "parallel.sequence_parallel=true", "model.family=qwen3"],
+    "dp2tp2-fsdp-qwen3": ["parallel=dp2tp2", "model.family=qwen3"],
 }
 
 

@@ -53,7 +53,8 @@ class ModelConfig:
     # low_freq_factor, high_freq_factor, original_max_position_embeddings; empty: none
     rope_scaling: Dict[str, Any] = field(default_factory=dict)
     norm_eps: float = 1e-5  # the norms' epsilon (Llama: rms_norm_eps)
-    # the Hugging Face family the model is (llama | mistral | qwen2: q, k and v with biases): how
+    # the Hugging Face family the model is (llama | mistral | qwen2: q, k and v with biases | qwen3:
+    # per-head q and k norms): how
     # its checkpoints name and shape the tensors and what an exported folder's config.json says
     family: str = "llama"
     # the family's sliding-window attention span (0: none). The trainer builds full causal
@@ -96,6 +97,10 @@ class ModelConfig:
     @property
     def qkv_bias(self) -> bool:
         return rules.qkv_bias(self.family)
+
+    @property
+    def qk_norm(self) -> bool:
+        return rules.qk_norm(self.family)
 
 
 @dataclass

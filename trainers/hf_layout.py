@@ -1,6 +1,7 @@
-"""The Hugging Face layout of a Llama-family model (Llama, Mistral, Qwen2), without torch: each parameter's name there,
-the tensors a checkpoint of an architecture holds, and the check of a weights folder's headers
-that the validator runs before launch (``trainers/hf_weights.py`` loads and saves the tensors).
+"""The Hugging Face layout of a Llama-family model (Llama, Mistral, Qwen2, Qwen3), without torch:
+each parameter's name there, the tensors a checkpoint of an architecture holds, and the check of a
+weights folder's headers that the validator runs before launch (``trainers/hf_weights.py`` loads
+and saves the tensors).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ _LAYER = {
     "attn.wk.bias": "self_attn.k_proj.bias",
     "attn.wv.bias": "self_attn.v_proj.bias",
     "attn.wo.weight": "self_attn.o_proj.weight",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
     "mlp.w1.weight": "mlp.gate_proj.weight",
     "mlp.w3.weight": "mlp.up_proj.weight",
@@ -64,6 +67,8 @@ def expected(m: Any) -> Dict[str, Tuple[int, ...]]:
     }
     if rules.qkv_bias(str(m.family)):
         layer.update({"attn.wq.bias": (int(m.n_heads) * hd,), "attn.wk.bias": (kv * hd,), "attn.wv.bias": (kv * hd,)})
+    if rules.qk_norm(str(m.family)):
+        layer.update({"attn.q_norm.weight": (hd,), "attn.k_norm.weight": (hd,)})
     out = {hf_name("tok_emb.weight"): (v, d)}
     for i in range(int(m.n_layers)):
         out.update({hf_name(f"layers.{i}.{k}"): shape for k, shape in layer.items()})
@@ -113,12 +118,14 @@ def config_json(m: Any) -> Dict[str, Any]:
         "vocab_size": int(m.vocab_size),
         "torch_dtype": "float32",
     }
+    if family in ("llama", "qwen3"):
+        out.update(attention_bias=False)
     if family == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
+        out.update(mlp_bias=False)
     window = int(m.sliding_window) or None
     if family == "mistral":
         out["sliding_window"] = window
-    elif family == "qwen2":
+    elif family in ("qwen2", "qwen3"):
         out.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=int(m.n_layers))
     if m.rope_scaling:
         out["rope_scaling"] = dict(m.rope_scaling)

@@ -35,8 +35,11 @@ from trainers.safetensors_io import Checkpoint, write
 
 
 def _rotary(name: str) -> bool:
-    """q_proj's and k_proj's weight and bias (Qwen2): their rows are in RoPE's channel order."""
-    return name.endswith(("attn.wq.weight", "attn.wk.weight", "attn.wq.bias", "attn.wk.bias"))
+    """q_proj's and k_proj's weight and bias (Qwen2), and Qwen3's q_norm and k_norm weights (one
+    head's channels): their rows are in RoPE's channel order."""
+    return name.endswith(
+        ("attn.wq.weight", "attn.wk.weight", "attn.wq.bias", "attn.wk.bias", "attn.q_norm.weight", "attn.k_norm.weight")
+    )
 
 
 def from_hf_rows(w: torch.Tensor, head_dim: int) -> torch.Tensor:

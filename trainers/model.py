@@ -116,6 +116,10 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.d_model, self.n_kv * self.hd, bias=bias)
         self.wv = nn.Linear(args.d_model, self.n_kv * self.hd, bias=bias)
         self.wo = nn.Linear(self.n_heads * self.hd, args.d_model, bias=False)
+        # Qwen3: each head's q and k RMS-normalised over head_dim before RoPE, one weight for all
+        # heads (under TP each rank normalises its own heads: trainers/parallel.py)
+        self.q_norm = RMSNorm(self.hd, eps=args.norm_eps, lean=args.lean_ops) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, eps=args.norm_eps, lean=args.lean_ops) if args.qk_norm else None
         self.rope = args.pos_emb == "rope"
         self.impl = args.attn_impl
         self.dropout = args.dropout
@@ -123,8 +127,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         # -1 keeps the module correct when tensor parallelism shards the heads across ranks
-        q = self.wq(x).view(b, t, -1, self.hd).transpose(1, 2)
-        k = self.wk(x).view(b, t, -1, self.hd).transpose(1, 2)
+        q, k = self.wq(x).view(b, t, -1, self.hd), self.wk(x).view(b, t, -1, self.hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(b, t, -1, self.hd).transpose(1, 2)
         if self.recompute_core and self.training:
             # the core keeps nothing for the backward but q, k, v: it runs again there, its dropout

@@ -182,6 +182,11 @@ def _block_plan(block: Any, sp: bool) -> Dict[str, Any]:
     plan["mlp"] = PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),))
     if sp:
         plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
+    if block.attn.q_norm is not None:
+        # Qwen3's per-head norms see this rank's heads (dim 2 of (b, s, heads, head_dim)): the
+        # weight replicated, its gradient a partial sum over the rank's heads made whole by DTensor
+        heads = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan.update({"attn.q_norm": heads, "attn.k_norm": heads})
     return plan
 
 

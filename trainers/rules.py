@@ -53,6 +53,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama"),
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 FAMILIES = tuple(ARCHITECTURES)
 
@@ -61,6 +62,12 @@ def qkv_bias(family: str) -> bool:
     """Whether attention's q, k and v projections carry biases: Qwen2's do (its modeling code
     builds them unconditionally); Llama's and Mistral's do not."""
     return family == "qwen2"
+
+
+def qk_norm(family: str) -> bool:
+    """Whether each query and key head is RMS-normalised over its own dimensions before RoPE:
+    Qwen3's are (``q_norm``, ``k_norm``, one weight of ``head_dim`` each, shared by the heads)."""
+    return family == "qwen3"
 
 
 # parallel.dp_shard's values: how replicas meet (trainers/assembly.py builds each one)

@@ -138,6 +138,7 @@ def layer_activation_bytes(
         out += (3 if casts else 1) * T * m.d * lin  # attention's input
         out += ((2 if m.swiglu else 1) if casts else 1) * T * m.d * lin  # the MLP's input
     out += T * (heads * hd + 2 * kv_w) * lin  # q, k, v
+    out += qk_norm_bytes(m, T, tp, ab)
     drop = m.dropout > 0
     if m.fused_attention:
         out += T * heads * hd * lin + b * heads * seq * 4  # the kernel's output and log-sum-exp
@@ -157,6 +158,19 @@ def layer_activation_bytes(
     if drop:
         out += 2 * T / u * m.d * ab.mask  # the residual branches' masks
     return out
+
+
+def qk_norm_bytes(m: ModelShape, tokens: float, tp: int, ab: ActBytes) -> float:
+    """Qwen3's per-head norms of q and k (``model.family=qwen3``), over this rank's heads: the lean
+    RMSNorm keeps the projection's output as it came and one rsqrt a head and token; autograd's
+    decomposition keeps the cast input, its product with the rsqrt, the rsqrt and the weight's cast."""
+    if not m.qk_norm:
+        return 0.0
+    hd, n = m.d // m.heads, ab.norm
+    rows = tokens * (m.heads + m.kv_heads) / tp  # (token, head) pairs normalised
+    if m.lean:
+        return rows * hd * ab.linear + rows * n
+    return 2 * rows * hd * n + rows * n + (2 * hd * n if ab.param != n else 0)
 
 
 def core_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes) -> float:
@@ -210,6 +224,8 @@ def fused_layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: b
     out += 2 * T * m.d * lin  # the norms' outputs, whole on every TP rank
     out += T / u * m.d * lin  # wo's output
     out += T * (q_w + 2 * kv_w) * lin  # q, k, v
+    if m.qk_norm:  # Qwen3's per-head norms: their statistics, as the block norms' (not yet measured)
+        out += T * (m.heads + m.kv_heads) / tp * ab.norm
     drop = m.dropout > 0
     if m.fused_attention:
         out += T * q_w * lin + b * heads * seq * 4

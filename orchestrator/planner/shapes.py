@@ -55,6 +55,7 @@ class ModelShape:
     lean: bool = True  # model.lean_ops: RMSNorm and SwiGLU keep what their backward needs
     loss_chunks: int = 1  # model.loss_chunks: the head and loss over sequence chunks, recomputed
     qkv_bias: bool = False  # model.family=qwen2: q, k and v projections with biases
+    qk_norm: bool = False  # model.family=qwen3: each q and k head RMS-normalised (one weight each)
 
     @classmethod
     def of(cls, model: DictConfig | Dict[str, Any]) -> "ModelShape":
@@ -78,6 +79,7 @@ class ModelShape:
             lean=bool(model.get("lean_ops", True)),
             loss_chunks=int(model.get("loss_chunks", 1)),
             qkv_bias=rules.qkv_bias(str(model.get("family", "llama"))),
+            qk_norm=rules.qk_norm(str(model.get("family", "llama"))),
         )
 
     @property
@@ -118,8 +120,8 @@ class ModelShape:
         return 2 * self.d if self.layernorm else self.d
 
     @property
-    def layer_replicated(self) -> int:  # two norms per block, replicated across TP ranks
-        return 2 * self.norm_params
+    def layer_replicated(self) -> int:  # two norms per block (and Qwen3's q/k norms), replicated across TP ranks
+        return 2 * self.norm_params + (2 * (self.d // self.heads) if self.qk_norm else 0)
 
     @property
     def embedding(self) -> int:
@@ -318,6 +320,8 @@ def block_tensors(m: ModelShape) -> List[ParamTensor]:
             ParamTensor("attn.wk.bias", (m.kv_heads * hd,), 0),
             ParamTensor("attn.wv.bias", (m.kv_heads * hd,), 0),
         ]
+    if m.qk_norm:  # replicated: each TP rank normalises its own heads with the whole weight
+        out += [ParamTensor("attn.q_norm.weight", (hd,)), ParamTensor("attn.k_norm.weight", (hd,))]
     return out + norm_tensors(m, "attn_norm") + norm_tensors(m, "mlp_norm")
 
 
