@@ -105,6 +105,12 @@ def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu
         out += 2 * (LAYERNORM_PASSES if m.layernorm else rms) * tdu * nb
     if nb != r and not npu_rms:  # in_dtype: the norm's input cast to its dtype and its output back, each way
         out += 2 * 4.0 * tdu * (r + nb)
+    if m.qk_norm:  # Qwen3's per-head norms of q and k, as the block's (the NPU kernel on plain tensors: tp 1)
+        qk = T * (q_w + kv_w)
+        if ab.npu_kernels and m.lean and tp == 1:
+            out += RMSNORM_NPU_PASSES * qk * lin
+        else:
+            out += rms * qk * nb + (4.0 * qk * (lin + nb) if nb != lin else 0.0)
     if r != lin and sp:  # each sub-layer's shard cast once before its gather (trainers/sp_regather.py)
         out += 2 * 2.0 * tdu * (r + lin)
     elif r != lin:  # autocast: each linear casts its input, and its gradient back
