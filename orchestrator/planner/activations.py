@@ -91,18 +91,20 @@ class ActBytes:
         return self.param > self.linear
 
 
-def _norm_bytes(m: ModelShape, tokens: float, ab: ActBytes) -> float:
-    """One norm: LayerNorm saves its input (cast to the norm dtype) and fp32 mean and rstd, plus
-    the weight's and bias's cast where the norm dtype is not the parameter dtype; the lean
-    RMSNorm of ``trainers/lean_ops.py`` its input as it came (the residual dtype) and the rsqrt
-    in the norm dtype (the decomposition it replaced kept the input cast, ``x * rsqrt(...)``
-    and the weight's cast too)."""
-    n = ab.norm
-    if m.layernorm:
-        return tokens * m.d * n + 2 * tokens * 4 + (m.norm_params * n if ab.param != n else 0)
+def _norm_bytes(m: ModelShape, tokens: float, ab: ActBytes, width: int = 0, given: float = 0.0) -> float:
+    """One norm over ``tokens`` rows of ``width`` (a block's: d_model, its input in the residual
+    dtype; else an RMSNorm over ``width`` whose input comes in ``given`` bytes): LayerNorm saves its
+    input (cast to the norm dtype) and fp32 mean and rstd, plus the weight's and bias's cast where
+    the norm dtype is not the parameter dtype; the lean RMSNorm of ``trainers/lean_ops.py`` its
+    input as it came and the rsqrt in the norm dtype (the decomposition it replaced kept the input
+    cast, ``x * rsqrt(...)`` and the weight's cast too)."""
+    n, w = ab.norm, width or m.d
+    weight = m.norm_params if not width else width
+    if m.layernorm and not width:
+        return tokens * w * n + 2 * tokens * 4 + (weight * n if ab.param != n else 0)
     if m.lean:
-        return tokens * m.d * ab.residual + tokens * n
-    return 2 * tokens * m.d * n + tokens * n + (m.norm_params * n if ab.param != n else 0)
+        return tokens * w * (given or ab.residual) + tokens * n
+    return 2 * tokens * w * n + tokens * n + (weight * n if ab.param != n else 0)
 
 
 def layer_activation_bytes(
@@ -166,11 +168,9 @@ def qk_norm_bytes(m: ModelShape, tokens: float, tp: int, ab: ActBytes) -> float:
     decomposition keeps the cast input, its product with the rsqrt, the rsqrt and the weight's cast."""
     if not m.qk_norm:
         return 0.0
-    hd, n = m.d // m.heads, ab.norm
-    rows = tokens * (m.heads + m.kv_heads) / tp  # (token, head) pairs normalised
-    if m.lean:
-        return rows * hd * ab.linear + rows * n
-    return 2 * rows * hd * n + rows * n + (2 * hd * n if ab.param != n else 0)
+    hd = m.d // m.heads
+    # one norm over (token, head) rows of q, one of k, each taking the projection's output
+    return sum(_norm_bytes(m, tokens * h / tp, ab, hd, ab.linear) for h in (m.heads, m.kv_heads))
 
 
 def core_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes) -> float:

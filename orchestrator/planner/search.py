@@ -283,7 +283,8 @@ def plan_space(
             continue
         sp = SpacePlan(c, p.shape, p.memory, fast.step(p.model, p.shape), n_params)
         plans.append(sp)
-        unchunked_fits.update([c] * (c.loss_chunks == 1))
+        if c.loss_chunks == 1:
+            unchunked_fits.add(c)
         summary.fit += 1
         if summary.best is None or _rank_key(sp) < _rank_key(summary.best):
             summary.best = sp

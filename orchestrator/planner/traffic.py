@@ -91,26 +91,30 @@ def _npu_rms_norm(m: ModelShape, tp: int, sp: bool, ab: ActBytes) -> bool:
     return ab.npu_kernels and m.lean and not m.layernorm and not (sp and tp > 1)
 
 
+def _norm_traffic(elements: float, given: float, nb: float, passes: float) -> float:
+    """A norm over ``elements`` whose input comes in ``given`` bytes and which runs in ``nb``: its
+    passes, and where the dtypes differ in_dtype's casts (the input to the norm's dtype and the
+    output back, each way)."""
+    return passes * elements * nb + (4.0 * elements * (given + nb) if nb != given else 0.0)
+
+
 def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu: bool) -> float:
     T, q_w, kv_w, f, td, tdu = _widths(m, seq, b, tp, sp)
     r, lin, nb = ab.residual, ab.linear, ab.norm
     readers = 3 + (2 if m.swiglu else 1)  # linears reading a norm's output: q, k, v; w1 (and w3)
     out = 12.0 * tdu * r  # two residual adds and the two gradient sums of the residual stream
     out += (readers - 2) * 3.0 * td * r  # the gradients of a norm's output summed over its readers
-    npu_rms = _npu_rms_norm(m, tp, sp, ab)
     rms = RMSNORM_PASSES if m.lean else RMSNORM_DECOMPOSED_PASSES
-    if npu_rms:
+    if _npu_rms_norm(m, tp, sp, ab):
         out += 2 * RMSNORM_NPU_PASSES * tdu * r
     else:
-        out += 2 * (LAYERNORM_PASSES if m.layernorm else rms) * tdu * nb
-    if nb != r and not npu_rms:  # in_dtype: the norm's input cast to its dtype and its output back, each way
-        out += 2 * 4.0 * tdu * (r + nb)
+        out += 2 * _norm_traffic(tdu, r, nb, LAYERNORM_PASSES if m.layernorm else rms)
     if m.qk_norm:  # Qwen3's per-head norms of q and k, as the block's (the NPU kernel on plain tensors: tp 1)
         qk = T * (q_w + kv_w)
         if ab.npu_kernels and m.lean and tp == 1:
             out += RMSNORM_NPU_PASSES * qk * lin
         else:
-            out += rms * qk * nb + (4.0 * qk * (lin + nb) if nb != lin else 0.0)
+            out += _norm_traffic(qk, lin, nb, rms)
     if r != lin and sp:  # each sub-layer's shard cast once before its gather (trainers/sp_regather.py)
         out += 2 * 2.0 * tdu * (r + lin)
     elif r != lin:  # autocast: each linear casts its input, and its gradient back
