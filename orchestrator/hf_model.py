@@ -57,10 +57,7 @@ def model_fields(where: str) -> Dict[str, Any]:
         )
     family = known[0][1]
     checks = [("hidden_act", hf.get("hidden_act", "silu"), "silu")]
-    if family in ("llama", "qwen3"):  # Mistral's and Qwen2's configs have no such fields: fixed layers
-        checks.append(("attention_bias", hf.get("attention_bias", False), False))
-    if family == "llama":
-        checks.append(("mlp_bias", hf.get("mlp_bias", False), False))
+    checks += [(f, hf.get(f, want), want) for f, want in rules.FIXED_FIELDS[family].items()]
     bad = [(f, v, want) for f, v, want in checks if v != want]
     kinds = sorted(set(hf.get("layer_types") or []) - {"full_attention", "sliding_attention"})
     if kinds:
@@ -101,13 +98,9 @@ def sliding_window(hf: Dict[str, Any], family: str) -> int:
     """The attention window the config asks for, 0 for none: Mistral's ``sliding_window`` (null:
     none); Qwen2's only where ``use_sliding_window`` is set or a layer's type is
     ``sliding_attention`` (its configs carry a ``sliding_window`` value either way)."""
-    window = int(hf.get("sliding_window") or 0)
-    if family == "mistral":
-        return window
-    if family in ("qwen2", "qwen3"):
-        sliding = bool(hf.get("use_sliding_window")) or "sliding_attention" in (hf.get("layer_types") or [])
-        return window if sliding else 0
-    return 0
+    window, switch = int(hf.get("sliding_window") or 0), rules.WINDOW_SWITCH.get(family)
+    sliding = switch is not None and (bool(hf.get(switch)) or "sliding_attention" in (hf.get("layer_types") or []))
+    return window if sliding else 0
 
 
 # RoPE types the trainer builds: none (transformers' "default") and Llama 3.1's frequency rule

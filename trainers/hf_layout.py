@@ -118,15 +118,12 @@ def config_json(m: Any) -> Dict[str, Any]:
         "vocab_size": int(m.vocab_size),
         "torch_dtype": "float32",
     }
-    if family in ("llama", "qwen3"):
-        out.update(attention_bias=False)
-    if family == "llama":
-        out.update(mlp_bias=False)
-    window = int(m.sliding_window) or None
-    if family == "mistral":
-        out["sliding_window"] = window
-    elif family in ("qwen2", "qwen3"):
+    out.update(rules.FIXED_FIELDS[family])
+    window, switch = int(m.sliding_window) or None, rules.WINDOW_SWITCH.get(family)
+    if switch == "use_sliding_window":
         out.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=int(m.n_layers))
+    elif switch:
+        out["sliding_window"] = window
     if m.rope_scaling:
         out["rope_scaling"] = dict(m.rope_scaling)
     return out

@@ -56,6 +56,20 @@ ARCHITECTURES = {
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
 }
 FAMILIES = tuple(ARCHITECTURES)
+# config.json fields a family's config class carries that the trainer builds one way only: read
+# and refused otherwise (orchestrator/hf_model.py), written so on export (trainers/hf_layout.py).
+# transformers' LlamaConfig has attention_bias and mlp_bias, Qwen3Config attention_bias; Mistral's
+# and Qwen2's layers are fixed (Qwen2's q, k, v biases always built: qkv_bias below)
+FIXED_FIELDS: Dict[str, Dict[str, bool]] = {
+    "llama": {"attention_bias": False, "mlp_bias": False},
+    "mistral": {},
+    "qwen2": {},
+    "qwen3": {"attention_bias": False},
+}
+# the config.json field that turns a family's attention window on: Mistral's sliding_window
+# itself (null: none); Qwen2's and Qwen3's configs carry a sliding_window value either way, in
+# force only where use_sliding_window is set (or a layer's type is sliding_attention)
+WINDOW_SWITCH = {"mistral": "sliding_window", "qwen2": "use_sliding_window", "qwen3": "use_sliding_window"}
 
 
 def qkv_bias(family: str) -> bool:
