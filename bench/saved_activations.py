@@ -111,7 +111,7 @@ def measured_attention() -> dict:
                 q = attn.wq(x).view(b, t, -1, attn.hd).transpose(1, 2)
                 k = attn.wk(x).view(b, t, -1, attn.hd).transpose(1, 2)
                 v = attn.wv(x).view(b, t, -1, attn.hd).transpose(1, 2)
-                from trainers.model import apply_rope
+                from trainers.rope import apply_rope
 
                 q, k = apply_rope(q, *rope), apply_rope(k, *rope)
                 rep = q.shape[1] // k.shape[1]

@@ -18,7 +18,7 @@ from orchestrator import hf_model, trial
 from orchestrator.planner.shapes import ModelShape
 from tests.conftest import cli_in_process
 from trainers.config import ModelConfig
-from trainers.model import llama3_scaled
+from trainers.rope import llama3_scaled
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],

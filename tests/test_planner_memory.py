@@ -45,7 +45,7 @@ def test_parallelism_divides_what_it_shards():
     assert sp8.activations < tp8.activations < base.activations
     # 1F1B: the first of 4 stages holds a quarter of the layers but 4 microbatches of them
     assert states(pp4) == pytest.approx(states(base) / 4, rel=0.05)
-    ab = pacts.ActBytes.of(prec, m, chip.device_type)
+    ab = pacts.ActBytes.on(prec, m, chip)
     # (autocast's weight copies once per block the stage holds, not per microbatch)
     layers = planner.layer_activation_bytes(m, 4096, 1, 1, False, ab) * m.layers
     casts = pacts.layer_weight_cast_bytes(m, 1, ab) * m.layers / 4
@@ -70,7 +70,7 @@ def test_activation_checkpointing_and_decomposed_attention():
     )
     dec = planner.memory_plan(model(**kw, attn_impl="decomposed"), s, prec, DEFAULTS.comm, chip, DEFAULTS.planner)
     m, mc, md = model(**kw), model(**kw, activation_checkpointing=True), model(**kw, attn_impl="decomposed")
-    ab = pacts.ActBytes.of(prec, m, chip.device_type)
+    ab = pacts.ActBytes.on(prec, m, chip)
     one_layer = planner.layer_activation_bytes(m, 4096, 1, 1, False, ab)
     ends = pacts.embedding_activation_bytes(m, 4096, 1) + pacts.head_activation_bytes(m, 4096, 1, 1, False, ab)
     ends += pacts.loss_transient_bytes(m, 4096, 1, 1, ab)  # the loss's own peak, on top of what is saved

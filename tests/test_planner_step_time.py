@@ -28,7 +28,7 @@ def test_step_time_terms():
     flops = (6 * m.n_params + 12 * 32 * 4096 * 4096) * tokens  # PaLM appendix B
     assert est.model_flops == pytest.approx(flops)
     # the matmuls at the compute efficiency, the other operators' traffic at the HBM's 1.6 TB/s x 0.8
-    ab = ActBytes.of(prec, m, "npu")
+    ab = ActBytes.on(prec, m, chip)
     traffic = 32 * layer_traffic_bytes(m, 4096, 1, 1, False, ab) + head_traffic_bytes(m, 4096, 1, 1, ab)
     memory_s = 4 * traffic / (1600e9 * 0.8)
     assert est.step_time_s == pytest.approx(flops / (313e12 * 0.5) + memory_s)

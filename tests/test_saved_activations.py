@@ -207,7 +207,8 @@ def test_tp_head_and_loss_keep_a_vocabulary_shard_per_rank(tp_results, case):
 def gqa_attention_saved(impl: str, model: Optional[torch.nn.Module] = None):
     """One training forward of a GQA model's first attention: the tensors autograd saves in it (as
     :class:`SavedBytes` holds them), and its keys and values after RoPE at kv width."""
-    from trainers.model import GPT, apply_rope
+    from trainers.model import GPT
+    from trainers.rope import apply_rope
 
     model = model or GPT(ModelConfig(**GQA_MODEL, attn_impl=impl), seed=0)
     attn = model.layers["0"].attn

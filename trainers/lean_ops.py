@@ -18,6 +18,8 @@ same saved set as :class:`_RMSNorm`'s, one kernel reading x and writing y; backw
 ``npu_rms_norm_backward(dy, x, gamma, rstd)``), where its dtype pairs allow (:func:`npu_rms_norm_takes`)
 and the tensors are plain (a sequence-parallel norm's are DTensors, which have no sharding rule for
 it). Its reduction and product run in fp32 whatever ``dtype`` asks (the rstd it returns is fp32).
+The lean SwiGLU there is ``torch_npu.npu_swiglu`` over w1's and w3's outputs concatenated
+(:func:`npu_swiglu`), on the parts that have it.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: Optional[torch
 
 
 def _rms_norm(npu: Any, x: torch.Tensor, w: torch.Tensor, eps: float, dtype: Optional[torch.dtype]):
-    if npu is not None and npu_rms_norm_takes(x, w, _inf_nan(npu)):
+    if npu is not None and npu_rms_norm_takes(x, w, inf_nan(npu)):
         return npu.npu_rms_norm(x, w, epsilon=eps)[0]
     return _RMSNorm.apply(x, w, eps, dtype or x.dtype)
 
@@ -114,12 +116,37 @@ def _torch_npu(x: torch.Tensor) -> Any:
 
 
 @functools.lru_cache(maxsize=None)
-def _inf_nan(npu: Any) -> bool:
+def inf_nan(npu: Any) -> bool:
+    """torch_npu's inf/nan mode support: the 910B1 and later parts (Atlas A2/A3), the same line
+    op-plugin draws for its aclnn kernels (``GetSocVersion() >= Ascend910B1``)."""
     return bool(npu.npu.utils.is_support_inf_nan())
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The lean SwiGLU; torch_npu's kernel on an NPU that takes it (:func:`npu_swiglu_takes`)."""
+    npu = _torch_npu(a)
+    if npu is not None and npu_swiglu_takes(a, b, inf_nan(npu)):
+        return npu_swiglu(npu, a, b)
     return _SwiGLU.apply(a, b)
+
+
+def npu_swiglu(npu: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch_npu.npu_swiglu(x, dim=-1)``: x's halves along ``dim``, A and B, give ``silu(A) * B``
+    (op-plugin docs, ``torch_npu.npu_swiglu``; contiguous input), so w1's and w3's outputs are
+    concatenated first. Its derivative keeps x (``derivatives.yaml``: ``npu_swiglu_backward(grad,
+    self, dim)``), a and b's bytes: the lean set. The module is passed in: tests hold the call to
+    the documented formula without an NPU."""
+    return npu.npu_swiglu(torch.cat((a, b), dim=-1), dim=-1)
+
+
+def npu_swiglu_takes(a: torch.Tensor, b: torch.Tensor, a2: bool) -> bool:
+    """Whether torch_npu's SwiGLU runs: on the Atlas A2 training parts (the only ones its
+    documentation lists), for plain tensors of one dtype it takes (fp32, fp16, bf16)."""
+    from torch.distributed.tensor import DTensor
+
+    if not a2 or isinstance(a, DTensor) or isinstance(b, DTensor):
+        return False
+    return a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 def lean(enabled: bool = True) -> bool:

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from trainers import lean_ops
 from trainers.attention import npu_fused
 from trainers.config import ModelConfig
+from trainers.rope import rope_tables, rotate
 
 
 def in_dtype(dtype: Optional[torch.dtype], fn, x: torch.Tensor, *params: Optional[torch.Tensor]) -> torch.Tensor:
@@ -69,39 +70,6 @@ def make_norm(args: ModelConfig) -> nn.Module:
     return LayerNorm(args.d_model, eps=args.norm_eps)
 
 
-def llama3_scaled(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
-    """Llama 3.1's RoPE frequencies for a longer context (Meta's reference ``apply_scaling``, the
-    rule its config.json's ``rope_scaling`` names ``llama3``): wavelengths shorter than
-    ``original / high_freq_factor`` kept, longer than ``original / low_freq_factor`` divided by
-    ``factor``, those between blended linearly in ``original / wavelength``."""
-    factor, low, high = float(scaling["factor"]), float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    original = float(scaling["original_max_position_embeddings"])
-    wavelen = 2 * math.pi / inv_freq
-    smooth = ((original / wavelen - low) / (high - low)).clamp(0.0, 1.0)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return torch.where(
-        wavelen < original / high, inv_freq, torch.where(wavelen > original / low, inv_freq / factor, blended)
-    )
-
-
-def rope_tables(
-    head_dim: int, seq_len: int, theta: float = 10000.0, scaling: Optional[dict] = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if scaling:
-        inv_freq = llama3_scaled(inv_freq, scaling)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: (batch, heads, seq, head_dim); rotate each (even, odd) pair by its position's angle
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.flatten(-2)
-
-
 class Attention(nn.Module):
     softmax_dtype: Optional[torch.dtype] = None  # decomposed path; precision.fp32_ops decides
     # selective recompute (model.recompute_granularity): the core is recomputed in the backward,
@@ -143,7 +111,7 @@ class Attention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope) -> torch.Tensor:
         """RoPE and attention of the heads: (b, heads, s, d) out."""
         if self.rope and rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+            q, k = rotate(q, k, *rope)
         # dropout draws from the default generator: every rank of a TP group has the same seed and
         # draws masks of the same local shapes in the same order, so the masks of replicated
         # activations (the residual branches) agree across the group

@@ -318,3 +318,12 @@ MIN_CUT_BACKENDS = ("inductor",)
 # Backends that fuse each elementwise chain into one kernel (the planner's fused memory traffic);
 # aot_eager runs the captured graph's operators one by one, as eager mode does.
 FUSING_BACKENDS = ("inductor", "torchair")
+
+
+def npu_rope(a2: bool, batch: int, heads: int, head_dim: int) -> bool:
+    """Whether torch_npu's ``npu_rotary_mul`` runs the trainer's interleaved RoPE on q or k of
+    (batch, heads, s, head_dim): its interleave mode goes through ``aclnnRotaryPositionEmbedding``,
+    which op-plugin calls on the 910B1 and later only (``a2``; older parts take the half mode), for
+    BNSD input with B x N < 1000 and an even head_dim below 896 (op-plugin
+    ``docs/context/torch_npu-npu_rotary_mul.md``, ``RotaryMulKernelNpuOpApi.cpp``)."""
+    return a2 and batch * heads < 1000 and head_dim < 896 and head_dim % 2 == 0

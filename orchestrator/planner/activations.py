@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.planner.shapes import BYTES, ModelShape, ParallelShape, recomputed_layers
+from trainers import rules
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,12 @@ class ActBytes:
     # torch_npu's fused RMSNorm runs the lean norm on an NPU (trainers/lean_ops.py): the same saved
     # set (the input, gamma, a per-token rstd), one kernel each way (orchestrator/planner/traffic.py)
     npu_kernels: bool = False
+    # an Atlas A2-class NPU (the 910B and later): torch_npu's interleaved RoPE kernel and its SwiGLU
+    # run there (trainers/rope.py, trainers/lean_ops.py)
+    npu_a2: bool = False
 
     @classmethod
-    def of(cls, precision: Any, m: ModelShape, device_type: str = "cuda") -> "ActBytes":
+    def of(cls, precision: Any, m: ModelShape, device_type: str = "cuda", a2: bool = False) -> "ActBytes":
         pb, cb = BYTES[precision.param_dtype], BYTES[precision.compute_dtype]
         ops = set(getattr(precision, "fp32_ops", None) or ())
         lin = min(pb, cb)
@@ -84,11 +88,28 @@ class ActBytes:
             # contiguous (RoPE-rotated) query, are (b, heads, s, hd)-major, so it is a copy
             fused_out_copy=device_type == "npu" or (device_type == "cpu" and not m.learned_pos),
             npu_kernels=device_type == "npu",
+            npu_a2=device_type == "npu" and a2,
         )
+
+    @classmethod
+    def on(cls, precision: Any, m: ModelShape, chip: Any) -> "ActBytes":
+        """:meth:`of` on the chip config ``chip`` (its device type, and whether it is an A2 part)."""
+        return cls.of(precision, m, str(chip.device_type), atlas_a2(chip))
+
+    def rope_kernel(self, m: ModelShape, b: int, tp: int) -> bool:
+        """Whether torch_npu's RoPE kernel rotates this rank's q and k (``trainers/rope.py``):
+        on a part and in the shapes it takes (``trainers.rules.npu_rope``)."""
+        return not m.learned_pos and rules.npu_rope(self.npu_a2, b, m.heads // tp, m.d // m.heads)
 
     @property
     def weight_casts(self) -> bool:
         return self.param > self.linear
+
+
+def atlas_a2(chip: Any) -> bool:
+    """Whether the chip is an Atlas A2-class NPU (the 910B and later, whose torch_npu kernels
+    take bf16 and the interleaved RoPE): of the NPU presets, those with bf16 (the 910A has none)."""
+    return str(chip.device_type) == "npu" and "bf16" in list(chip.dtypes or ())
 
 
 def _norm_bytes(m: ModelShape, tokens: float, ab: ActBytes, width: int = 0, given: float = 0.0) -> float:
@@ -153,8 +174,7 @@ def layer_activation_bytes(
             out += e * (ab.mask + lin)  # the mask and the dropped probabilities
         elif ab.softmax != lin:
             out += e * lin  # the probabilities' compute-dtype copy
-    if not m.learned_pos and lin != 4:
-        out += 2 * seq * hd * lin  # cos and sin cast, for q and for k
+    out += _rope_bytes(m, seq, b, tp, ab, T * (heads * hd + kv_w) * lin)
     # GELU: its input and output; the lean SwiGLU: w1's and w3's outputs and their product
     out += (2 if not m.swiglu else 3 if m.lean else 4) * T * m.d_ff / tp * lin
     if drop:
@@ -192,9 +212,19 @@ def core_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes
             out += e * (ab.mask + lin)
         elif ab.softmax != lin:
             out += e * lin
-    if not m.learned_pos and lin != 4:
-        out += 2 * seq * hd * lin
-    return out
+    return out + _rope_bytes(m, seq, b, tp, ab, T * (heads * hd + m.kv_heads * hd / tp) * lin)
+
+
+def _rope_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes, qk: float) -> float:
+    """What RoPE keeps: the decomposition its cos and sin cast to a 16-bit compute dtype, for q
+    and for k; torch_npu's kernel its input (``qk``: q and k before the rotation, a copy beside the
+    rotated ones attention keeps) and its two pair-repeated tables in the compute dtype."""
+    hd = m.d // m.heads
+    if m.learned_pos:
+        return 0.0
+    if ab.rope_kernel(m, b, tp):
+        return qk + 2 * seq * hd * ab.linear
+    return 2 * seq * hd * ab.linear if ab.linear != 4 else 0.0
 
 
 def fused_layer_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes) -> float:

@@ -95,7 +95,7 @@ class FastPlanner:
         pr, cm, ch, pl = self.cfg.precision, self.cfg.comm, self.cfg.chip, self.cfg.planner
         self.pb, self.gb, _ = state_bytes(pr, pl)
         self.act_bytes = {
-            (ck, g): ActBytes.of(pr, self.model(ck, g, -1, 1), str(ch.device_type))
+            (ck, g): ActBytes.on(pr, self.model(ck, g, -1, 1), ch)
             for ck in (False, True)
             for g in ("full", "selective")
         }

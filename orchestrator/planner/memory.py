@@ -326,7 +326,7 @@ def memory_plan(
     return compose_memory_plan(
         m,
         s,
-        ActBytes.of(precision, m, str(chip.device_type)),
+        ActBytes.on(precision, m, chip),
         chip,
         planner,
         communicator_sizes(chip.dist_backend, comm, planner),

@@ -24,7 +24,9 @@ in units of "passes" (one read or one write of a whole tensor), forward and back
   memory-bound at a head width below the chip's FLOP-per-byte ratio, 96-128 against A100's 153);
   dropout (``native_dropout``: 2 passes and a 1-byte mask each way; a CPU's fallback draws the
   mask in the dropped tensor's dtype, 9 passes). ``tests/test_memory_traffic.py`` counts the
-  trainer's own operators with a dispatch mode, knob by knob, on a CPU: within 7%.
+  trainer's own operators with a dispatch mode, knob by knob, on a CPU: within 7%. On an NPU,
+  torch_npu's kernels where the trainer calls them: RMSNorm 5, and on an A2 part RoPE 7 and SwiGLU
+  16 (read from op-plugin, not measured: ``tests/test_npu_kernels.py``, ``tests/test_npu_rope.py``).
 - fused (``trainer.compile=true`` with a fusing backend, ``trainers.rules.FUSING_BACKENDS``:
   Inductor, TorchAir; or a framework's hand-fused kernels such as Megatron-LM's):
   every elementwise chain between two matmuls is one kernel that reads its inputs and writes its
@@ -61,9 +63,17 @@ RMSNORM_PASSES, RMSNORM_DECOMPOSED_PASSES = 22.0, 31.0
 RMSNORM_NPU_PASSES = 5.0
 LAYERNORM_PASSES = 5.0  # native_layer_norm: read x, write y; backward read dy and x, write dx
 ROPE_PASSES = 26.5  # apply_rope: four half-width products, a sum, a difference, a stack; gradients
+# torch_npu.npu_rotary_mul (trainers/rope.py): read x, write y; its backward reads dy and x, writes
+# dx; the (b, s, heads, hd)-major q or k made contiguous first (aclnn's Contiguous: read, write).
+# Read from op-plugin's kernel and derivative, not measured (no NPU here)
+ROPE_NPU_PASSES = 7.0
 # of one d_ff-wide tensor, forward and backward (the lean SwiGLU recomputes silu: 5 + 13; the
 # decomposition 14)
 GELU_PASSES, SWIGLU_PASSES, SWIGLU_DECOMPOSED_PASSES = 5.0, 18.0, 14.0
+# torch_npu.npu_swiglu on an A2 part (trainers/lean_ops.py): w1's and w3's outputs concatenated
+# (read 2, write 2), the kernel (read 2, write 1; backward read 1 + 2, write 2), the gradient's
+# halves made contiguous for the two linears' backward (read 2, write 2). Read, not measured
+SWIGLU_NPU_PASSES = 16.0
 SOFTMAX_PASSES = 13.0  # decomposed: scale 2+2, masked_fill 2+2, softmax 2+3, of the scores
 ATTN_BMM_SCORE_PASSES = 6.0  # the batched matmuls' score-sized operands: forward 2, backward 4
 
@@ -89,6 +99,15 @@ def _npu_rms_norm(m: ModelShape, tp: int, sp: bool, ab: ActBytes) -> bool:
     plain tensors (a sequence-parallel norm's are DTensors: ``trainers/lean_ops.py
     npu_rms_norm_takes``)."""
     return ab.npu_kernels and m.lean and not m.layernorm and not (sp and tp > 1)
+
+
+def _mlp_passes(m: ModelShape, ab: ActBytes) -> float:
+    """Passes of one d_ff-wide tensor the eager MLP's activation makes, forward and backward."""
+    if not m.swiglu:
+        return GELU_PASSES
+    if not m.lean:
+        return SWIGLU_DECOMPOSED_PASSES
+    return SWIGLU_NPU_PASSES if ab.npu_a2 else SWIGLU_PASSES
 
 
 def _norm_traffic(elements: float, given: float, nb: float, passes: float) -> float:
@@ -121,9 +140,9 @@ def _eager(m: ModelShape, seq: int, b: int, tp: int, sp: bool, ab: ActBytes, cpu
         out += readers * 2.0 * td * (r + lin)
     if ab.weight_casts:  # autocast's copies of the block's fp32 matrices and their gradients' casts
         out += 2.0 * m.layer_sharded / tp * (ab.param + lin)
-    out += ((SWIGLU_PASSES if m.lean else SWIGLU_DECOMPOSED_PASSES) if m.swiglu else GELU_PASSES) * T * f * lin
+    out += _mlp_passes(m, ab) * T * f * lin
     if not m.learned_pos:
-        out += ROPE_PASSES * T * (q_w + kv_w) * lin
+        out += (ROPE_NPU_PASSES if ab.rope_kernel(m, b, tp) else ROPE_PASSES) * T * (q_w + kv_w) * lin
     drop = _dropout_passes(ab, cpu) if m.dropout > 0 else 0.0
     out += 2 * drop * tdu * lin  # the two residual branches' dropout
     if m.fused_attention:
@@ -226,7 +245,7 @@ def memory_seconds(
     gbps = float(chip.hbm_gbps or 0.0)
     if gbps <= 0:
         return 0.0
-    ab = ActBytes.of(precision, m, chip.device_type)
+    ab = ActBytes.on(precision, m, chip)
     args = (m, s.seq_len, s.micro_batch, s.tp)
     # a compiled block traces the decomposition, not the lean functions (trainers/lean_ops.py)
     block = dataclasses.replace(m, lean=m.lean and not s.compiled)
