@@ -21,16 +21,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import conf_dir, ray_sweep, sweep_parent, trial
+from orchestrator import conf_dir, exit_codes, ray_sweep, statuses, sweep_parent, trial
 from orchestrator.config import register_configs
 
 log = logging.getLogger("orchestrator")
-EXIT_FAILED, EXIT_CONFIG = 1, 2
 
 
 def _report(result: dict) -> None:
     s = result.get("summary") or {}
-    if result["status"] == "finished":
+    if result["status"] == statuses.FINISHED:
         log.info(
             "finished run %s: final_loss=%.4f step_time_median_s=%.4f tokens_per_s=%.0f peak_mem_gb=%.2f",
             result["run_id"],
@@ -61,7 +60,7 @@ def finished_before(cfg: DictConfig, job_num: int) -> Optional[Dict[str, Any]]:
     sweep_parent.record_reused(job_num, run_id)
     log.info("#%d already finished in run %s: skipped", job_num, run_id)
     return {
-        "status": "finished",
+        "status": statuses.FINISHED,
         "run_id": run_id,
         "reused": True,
         "config_hash": plan["config_hash"],
@@ -99,10 +98,10 @@ def objective(cfg: DictConfig, result: Dict[str, Any], sweeper: Any = None) -> A
     summary = result.get("summary") or {}
     value = summary.get(name)
     number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if result["status"] == "finished" and not number:
+    if result["status"] == statuses.FINISHED and not number:
         numeric = sorted(k for k, v in summary.items() if isinstance(v, (int, float)))
         log.error("optimized_metric=%s: the trial logged no such metric (it logs %s)", name, ", ".join(numeric))
-    if result["status"] != "finished" or not number:
+    if result["status"] != statuses.FINISHED or not number:
         return -math.inf if maximizes(sweeper) else math.inf
     return float(value)
 
@@ -123,13 +122,13 @@ def main(cfg: DictConfig, hc: DictConfig):
         for line in err.errors:
             print(f"error: {line}", file=sys.stderr)
         if not multirun:
-            sys.exit(EXIT_CONFIG)
+            sys.exit(exit_codes.BAD_INPUT)
         # in a sweep, a point that cannot run is recorded as infeasible and the sweep goes on
-        infeasible = {"status": "infeasible", "run_id": trial.record_infeasible(cfg, overrides, err.errors)}
+        infeasible = {"status": statuses.INFEASIBLE, "run_id": trial.record_infeasible(cfg, overrides, err.errors)}
         return objective(cfg, infeasible, hc.sweeper)
     _report(result)
-    if result["status"] != "finished" and not multirun:
-        sys.exit(EXIT_FAILED)
+    if result["status"] != statuses.FINISHED and not multirun:
+        sys.exit(exit_codes.FAILED)
     return objective(cfg, result, hc.sweeper)
 
 
@@ -159,5 +158,5 @@ def cli() -> None:
         # Hydra exits 1 when it cannot compose (unknown key, wrong type, missing preset):
         # that is bad input, before any trial started
         if exc.code == 1 and not task.started:
-            raise SystemExit(EXIT_CONFIG) from None
+            raise SystemExit(exit_codes.BAD_INPUT) from None
         raise

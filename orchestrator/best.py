@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator import cli, results, tracking
+from orchestrator import cli, results, statuses, tags, tracking
 from orchestrator.results import fmt
 
 
@@ -33,13 +33,15 @@ def rank(
     sweep: Optional[str] = None,
     chip: Optional[str] = None,
     model: Optional[str] = None,
-    status: str = tracking.STATUS_OK,
+    status: str = statuses.FINISHED,
     filter_string: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Candidates (configs) best first, and what was left out and why; ``filter_string`` is an
     MLflow filter the runs must match besides the tag filters."""
     runs = results.search(
-        uri, experiment, cli.build_filter(filter_string, sweep=sweep, chip=chip, model=model, trial__status=status)
+        uri,
+        experiment,
+        cli.build_filter(filter_string, {tags.SWEEP: sweep, "chip": chip, "model": model, tags.TRIAL_STATUS: status}),
     )
     excluded: List[Dict[str, str]] = []
     groups: Dict[str, List[Any]] = {}
@@ -53,7 +55,7 @@ def rank(
         if why:
             excluded.append({"run_id": run.info.run_id, "reason": f"diverged: {why}"})
             continue
-        groups.setdefault(run.data.tags.get("trial.config_hash") or run.info.run_id, []).append(run)
+        groups.setdefault(run.data.tags.get(tags.CONFIG_HASH) or run.info.run_id, []).append(run)
     candidates = []
     for chash, members in groups.items():
         values = [results.value(r, objective) for r in members]
@@ -164,7 +166,7 @@ def _parser() -> Any:
     ap.add_argument("--chip", help="only trials on this chip (tag chip)")
     ap.add_argument("--model", help="only trials of this model (tag model)")
     ap.add_argument(
-        "--status", default=tracking.STATUS_OK, help="trial.status of the runs considered (default finished)"
+        "--status", default=statuses.FINISHED, help="trial.status of the runs considered (default finished)"
     )
     cli.add_filter_arg(ap)
     ap.add_argument("--top", type=int, default=10, help="rows in the table (default 10)")

@@ -19,22 +19,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NO_MATCH = 0, 1, 2, 3
-
-EXIT_CODES = """exit codes:
-  0  done
-  1  failed (the traceback says what)
-  2  bad input: one error: line names the flag, argument or override, and why
-  3  nothing matched: no run, sweep or trial fits the (sound) input"""
+from orchestrator import exit_codes
 
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one ``error:`` line (exit 2), as the tools' own errors are."""
 
     def error(self, message: str):  # type: ignore[override]
-        self.exit(EXIT_BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
+        self.exit(exit_codes.BAD_INPUT, f"error: {message} (see {self.prog} --help)\n")
 
 
 def parser(module: str, description: str) -> Parser:
@@ -43,7 +37,7 @@ def parser(module: str, description: str) -> Parser:
     script = module.replace(".", "-")
     prog = script if Path(sys.argv[0]).name == script else f"python -m {module}"
     return Parser(
-        prog=prog, description=description, epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=description, epilog=exit_codes.HELP, formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
 
@@ -112,7 +106,7 @@ def tracking_uri(given: Optional[str]) -> str:
 def bad_input(line: str) -> int:
     """Print one ``error:`` line (it names the flag and the reason); the bad-input exit code."""
     print(f"error: {line}", file=sys.stderr)
-    return EXIT_BAD_INPUT
+    return exit_codes.BAD_INPUT
 
 
 def no_match(line: str, details: Sequence[str] = ()) -> int:
@@ -120,7 +114,7 @@ def no_match(line: str, details: Sequence[str] = ()) -> int:
     print(f"error: {line}", file=sys.stderr)
     for d in details:
         print(f"  {d}", file=sys.stderr)
-    return EXIT_NO_MATCH
+    return exit_codes.NO_MATCH
 
 
 def store_error(uri: str, flag: str = "--tracking-uri") -> Optional[str]:
@@ -163,9 +157,9 @@ def check_filter(expr: Optional[str]) -> Optional[str]:
     return None
 
 
-def build_filter(user: Optional[str] = None, **tags: Any) -> str:
-    """The MLflow filter string of the tool's own tag filters (``None`` left out; ``a__b`` is tag
-    ``a.b``) and the user's ``--filter``, all of which a run must match."""
+def build_filter(user: Optional[str] = None, wanted: Optional[Dict[str, Any]] = None) -> str:
+    """The MLflow filter string of the tool's own tag filters (tag name to value, ``None`` left
+    out) and the user's ``--filter``, all of which a run must match."""
     from orchestrator import results
 
-    return " and ".join(p for p in (results.tag_filter(**tags), (user or "").strip()) if p)
+    return " and ".join(p for p in (results.tag_filter(wanted or {}), (user or "").strip()) if p)

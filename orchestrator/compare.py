@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator import cli, results, tracking
+from orchestrator import cli, exit_codes, results, tracking
 
 
 def _losses(client, run_id: str) -> Dict[int, float]:
@@ -229,7 +229,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         print((Path(args.out) / "compare.md").read_text().split("\n| step")[0])
         print(f"report: {', '.join(str(p) for p in paths)}")
-    return cli.EXIT_OK
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

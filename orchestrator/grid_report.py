@@ -8,19 +8,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional
 
-from orchestrator import cli, results, tracking
+from orchestrator import cli, results, statuses, tags
 from orchestrator.results import Point, fmt
 
 
 def parent_runs(uri: str, experiment: str) -> List[Any]:
     """Sweep parent runs of an experiment, newest first."""
-    return [r for r in results.search(uri, experiment, trials_only=False) if "sweep.status" in r.data.tags]
+    return [r for r in results.search(uri, experiment, trials_only=False) if tags.SWEEP_STATUS in r.data.tags]
 
 
 def find_parent(uri: str, experiment: str, sweep_id: Optional[str]) -> Any:
     parents = parent_runs(uri, experiment)
     if sweep_id:
-        parents = [r for r in parents if sweep_id in (r.data.tags.get("sweep"), r.info.run_id)]
+        parents = [r for r in parents if sweep_id in (r.data.tags.get(tags.SWEEP), r.info.run_id)]
     return parents[0] if parents else None
 
 
@@ -37,16 +37,16 @@ def _points(uri: str, runs: List[Any], objective: str) -> List[Point]:
     finished trial carries the last one's status and reason."""
     groups: "OrderedDict[str, List[Any]]" = OrderedDict()
     for r in runs:
-        groups.setdefault(r.data.tags.get("trial.config_hash") or r.info.run_id, []).append(r)
+        groups.setdefault(r.data.tags.get(tags.CONFIG_HASH) or r.info.run_id, []).append(r)
     points: List[Point] = []
     for chash, members in groups.items():
         p = Point(chash, results.overrides_of(uri, members[0]))
-        finished = [r for r in members if results.status(r) == tracking.STATUS_OK]
+        finished = [r for r in members if results.status(r) == statuses.FINISHED]
         p.fill(uri, finished, objective)
         if not p.values:
             last = members[-1]
-            p.status = results.status(last) if results.status(last) != tracking.STATUS_OK else "failed"
-            p.reason = last.data.tags.get("trial.reason", "") or (
+            p.status = results.status(last) if results.status(last) != statuses.FINISHED else statuses.FAILED
+            p.reason = last.data.tags.get(tags.TRIAL_REASON, "") or (
                 f"objective {objective} not logged" if finished else ""
             )
             p.run_ids = [r.info.run_id for r in members]
@@ -132,7 +132,7 @@ def from_trials(
 ) -> Dict[str, Any]:
     """The report of any sweep, read from its trial runs (launch order; the first is the baseline);
     only the trials that match ``filter_string`` (an MLflow filter) too, when given."""
-    runs = results.search(uri, experiment, cli.build_filter(filter_string, sweep=sweep_id))
+    runs = results.search(uri, experiment, cli.build_filter(filter_string, {tags.SWEEP: sweep_id}))
     runs.sort(key=lambda r: r.info.start_time)
     points = _points(uri, runs, objective)
     if not points:
@@ -147,7 +147,7 @@ def from_trials(
         if gates[id(p)] is None and (best is None or results.better(p.value, best.value, direction)):
             best = p
     rows, helped, did_not = _rows(points, keys, gates, best, threshold, direction)
-    pruned = sum(results.status(r) in ("infeasible", "unsupported_op") for r in runs)
+    pruned = sum(results.status(r) in statuses.REFUSED for r in runs)
     return {
         "kind": "grid",
         "study": None,
@@ -160,7 +160,7 @@ def from_trials(
         "loss_band": loss_band,
         "noise": noise,
         "threshold": threshold,
-        "outcome": "finished" if best is not None else "no_eligible_point",
+        "outcome": statuses.FINISHED if best is not None else "no_eligible_point",
         "variables": [
             {"key": k, "values": list(OrderedDict.fromkeys(p.labels.get(k, "") for p in points))} for k in keys
         ],

@@ -12,6 +12,8 @@ import socket
 import uuid
 from typing import Any, Dict, Optional
 
+from orchestrator import statuses
+
 # What a forkserver imports before it forks workers: torch and the trainer, then what a rank
 # imports as it builds (DTensor for tensor and sequence parallelism, FSDP2, pipelining, DCP
 # checkpoints, with the torch._dynamo and sympy they pull in) and rank 0's reporter (MLflow's
@@ -54,14 +56,14 @@ def classify(message: str) -> str:
     """Map a worker's failure message to a trial status."""
     low = message.lower()
     if "out of memory" in low or "outofmemoryerror" in low:
-        return "oom"
+        return statuses.OOM
     if "nonfiniteerror" in low or "non-finite" in low:
-        return "nonfinite"
+        return statuses.NONFINITE
     if "timed out" in low or "timeout" in low:
-        return "timeout"
+        return statuses.TIMEOUT
     if "notimplementederror" in low or "not yet supported" in low or "not implemented" in low:
-        return "unsupported_op"
-    return "crash"
+        return statuses.UNSUPPORTED_OP
+    return statuses.CRASH
 
 
 def error_line(text: str) -> str:
@@ -112,7 +114,7 @@ def _failure_reason(err: Exception) -> str:
     if not failures:
         return f"{type(err).__name__}: {err}"
     lines = {rank: _rank_line(failure) for rank, failure in failures.items()}
-    rank = min(lines, key=lambda r: (classify(lines[r]) != "timeout", r))
+    rank = min(lines, key=lambda r: (classify(lines[r]) != statuses.TIMEOUT, r))
     return f"rank {rank}: {lines[rank]}"
 
 
@@ -161,7 +163,7 @@ def rendezvous_store(launch: Dict[str, Any]) -> Any:
         except (RuntimeError, ValueError) as err:  # DistNetworkError is a RuntimeError
             if asked:
                 raise TrialFailed(
-                    "crash",
+                    statuses.CRASH,
                     f"launch.master_port={asked}: cannot bind the rendezvous store on {host} "
                     f"({error_line(str(err))}); another job holds it, leave launch.master_port at 0 to take a free one",
                 ) from None
@@ -171,7 +173,9 @@ def rendezvous_store(launch: Dict[str, Any]) -> Any:
             return store
         port = store.port
         del store  # not in torch's table: bound again on the same port, which the check cleared
-    raise TrialFailed("crash", f"launch: no rendezvous store the elastic agent finds in {RENDEZVOUS_BINDS} binds")
+    raise TrialFailed(
+        statuses.CRASH, f"launch: no rendezvous store the elastic agent finds in {RENDEZVOUS_BINDS} binds"
+    )
 
 
 RENDEZVOUS_BINDS = 5
@@ -212,7 +216,7 @@ def launch_config(world_size: int, launch: Dict[str, Any], start_method: str, po
         role="trainer",
         rdzv_backend="c10d",
         rdzv_endpoint=f"{host}:{port}",
-        rdzv_configs={"timeout": 120, "is_host": True},
+        rdzv_configs=dict(timeout=120, is_host=True),
         max_restarts=int(launch["max_failures"]),
         monitor_interval=0.2,
         start_method=start_method,

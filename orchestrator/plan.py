@@ -32,11 +32,9 @@ from typing import Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator import cli, planner
+from orchestrator import cli, exit_codes, planner
 from orchestrator.planner import search
 from trainers.rules import Layout
-
-EXIT_CONFIG = cli.EXIT_BAD_INPUT
 
 
 def compose(overrides: List[str]) -> DictConfig:
@@ -67,7 +65,7 @@ def _error_line(err: BaseException) -> str:
 def _fail(lines: List[str]) -> int:
     for line in lines:
         cli.bad_input(line)
-    return EXIT_CONFIG
+    return exit_codes.BAD_INPUT
 
 
 def _pct(x: float) -> str:
@@ -290,7 +288,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         results = probe(cfg, args.probe)
         bad = {op: r for op, r in results.items() if r["status"] in ("fallback", "error")}
         print(f"probed {len(results)} operators on {cfg.chip.name}: {len(bad)} unsupported; wrote {args.probe}")
-        return cli.EXIT_OK
+        return exit_codes.OK
 
     calibrated = "defaults from planner.*; --calibrate fits them"
     if args.calibrate:
@@ -313,11 +311,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.json:
         n_params = planner.ModelShape.of(planned.model).n_params
         print(json.dumps([search.contract(p, n_params) for p in plans], indent=1))
-        return cli.EXIT_OK
+        return exit_codes.OK
     print(header(cfg, cov, args.devices, calibrated))
     print()
     print(table(plans))
-    return cli.EXIT_OK
+    return exit_codes.OK
 
 
 def _plan_devices(
@@ -338,11 +336,11 @@ def _plan_devices(
             + (f" ({counts})" if counts else ""),
             file=sys.stderr,
         )
-        return cli.EXIT_OK
+        return exit_codes.OK
     print(header(cfg, cov, devices, calibrated))
     print()
     print(space_report(res, top))
-    return cli.EXIT_OK
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

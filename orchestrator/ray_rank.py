@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any, Dict, Optional
 
+from orchestrator import tags
+
 
 def rank_entry(config: Dict[str, Any], ranks: Dict[str, Any], store: Any = None) -> Optional[Dict[str, Any]]:
     """One rank of a trial on Ray, from either kind of worker group (Ray Train's, or a warm one of
@@ -31,9 +33,9 @@ def rank_entry(config: Dict[str, Any], ranks: Dict[str, Any], store: Any = None)
         ray.get(config["roster"].place.remote(config["attempt"], rank, node_id, ip))
     if rank == 0:
         if config["reporter"] is not None:
-            config["reporter"].tag("trial.rank0_node", node_id)
-            config["reporter"].tag("trial.rank0_ip", ip)
-            config["reporter"].tag("trial.attempts", str(config["attempt"] + 1))
+            config["reporter"].tag(tags.RANK0_NODE, node_id)
+            config["reporter"].tag(tags.RANK0_IP, ip)
+            config["reporter"].tag(tags.TRIAL_ATTEMPTS, str(config["attempt"] + 1))
         if config["board"] is not None:
             config["board"].place.remote(config["key"])
     if os.path.isdir(config["cwd"]):  # Ray Train starts workers in its own run folder

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator import statuses
 from orchestrator.launch import error_summary
 from orchestrator.ray_cluster import cluster, cluster_address, launch_env
 from orchestrator.ray_trial import BoardSlot
@@ -118,13 +119,13 @@ def _outcome(ret: Any) -> Tuple[str, str]:
 
     if ret.status == JobStatus.FAILED:
         err = ret._return_value
-        return "crash", error_summary(err)
+        return statuses.CRASH, error_summary(err)
     value = ret.return_value
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         # an objective for a sweeper (optimized_metric): +-inf stands for a trial that did not finish
-        return ("finished", f"{value:.6g}") if math.isfinite(value) else ("failed", "no objective value")
+        return (statuses.FINISHED, f"{value:.6g}") if math.isfinite(value) else (statuses.FAILED, "no objective value")
     value = value if isinstance(value, dict) else {}
-    return str(value.get("status", "finished")), str(value.get("reason") or value.get("run_id") or "")
+    return str(value.get("status", statuses.FINISHED)), str(value.get("reason") or value.get("run_id") or "")
 
 
 class _SweepBar:
@@ -150,7 +151,7 @@ class _SweepBar:
     def show(self, queued: int, running: int, done: int, failed: int) -> None:
         if self._bar is not None:
             self._bar.n = done + failed
-            self._bar.set_postfix({"queued": queued, "running": running, "done": done, "failed": failed})
+            self._bar.set_postfix_str(f"queued={queued}, running={running}, done={done}, failed={failed}")
 
     def close(self) -> None:
         if self._bar is not None:
@@ -321,7 +322,7 @@ def _collect(pending: Dict[Any, Tuple[int, List[str], Any]], board: Any, n_jobs:
     from hydra.core.utils import JobReturn, JobStatus
 
     results: Dict[int, Any] = {}
-    counts = {"done": 0, "failed": 0}
+    done = failed = 0
     bar = _SweepBar(n_jobs)
     try:
         while pending:
@@ -335,11 +336,11 @@ def _collect(pending: Dict[Any, Tuple[int, List[str], Any]], board: Any, n_jobs:
                     ret.return_value = err
                 results[idx] = ret
                 status, detail = _outcome(ret)
-                counts["done" if status == "finished" else "failed"] += 1
+                done, failed = (done + 1, failed) if status == statuses.FINISHED else (done, failed + 1)
                 log.info("#%d %s: %s", idx, status, detail)
             placed = ray.get(board.placed.remote())
             running = sum(idx in placed for idx, _, _ in pending.values())
-            bar.show(len(pending) - running, running, counts["done"], counts["failed"])
+            bar.show(len(pending) - running, running, done, failed)
     except KeyboardInterrupt:
         for ref in pending:
             ray.cancel(ref, force=True)

@@ -32,7 +32,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Sequence, Tuple
 
-from orchestrator import ray_pool, ray_rank, relay
+from orchestrator import ray_pool, ray_rank, relay, statuses, tags
 from orchestrator.launch import TrialFailed, classify
 from orchestrator.ray_cluster import cluster, launch_env, live_totals
 from orchestrator.ray_failures import attempt_failed, failure_reason, lost_nodes
@@ -60,7 +60,7 @@ class Placement:
         per_node = -(-world_size // self.nodes)
         totals = sorted(int(t) for t in node_totals if t >= 1)
         if not totals:
-            raise TrialFailed("infeasible", f"the Ray cluster has no {self.resource} resource")
+            raise TrialFailed(statuses.INFEASIBLE, f"the Ray cluster has no {self.resource} resource")
         units = 1
         if self.exclusive:
             # all of a node's devices, split over the trial's workers on it; what is left over is
@@ -69,13 +69,13 @@ class Placement:
             units = capable[0] // per_node if capable else 1
         if self.nodes == 1 and totals[-1] < world_size * units:
             raise TrialFailed(
-                "infeasible",
+                statuses.INFEASIBLE,
                 f"needs {world_size} x {units} {self.resource} on one node; the largest "
                 f"node of the Ray cluster has {totals[-1]}",
             )
         if sum(t // units for t in totals) < world_size:
             raise TrialFailed(
-                "infeasible",
+                statuses.INFEASIBLE,
                 f"needs {world_size} x {units} {self.resource}; the Ray cluster has "
                 f"{sum(totals)} on {len(totals)} node(s)",
             )
@@ -130,7 +130,7 @@ def _tag_nodes(reporter: Any, placed: Dict[int, Tuple[str, str]]) -> None:
     """Tag the trial's run with the nodes its last worker group ran on (``trial.nodes``)."""
     if reporter is not None and placed:
         nodes = sorted({f"{ip} ({node[:12]})" for node, ip in placed.values()})
-        reporter.tag("trial.nodes", ", ".join(nodes))
+        reporter.tag(tags.TRIAL_NODES, ", ".join(nodes))
 
 
 def launch_trial(
@@ -215,7 +215,7 @@ class _Attempts:
         _tag_nodes(self.reporter, placed)
         lost = lost_nodes(placed)
         if lost:
-            status, reason = "node_lost", f"lost node {', '.join(lost)}: {reason}"
+            status, reason = statuses.NODE_LOST, f"lost node {', '.join(lost)}: {reason}"
         if attempt == max_failures:
             raise TrialFailed(status, reason)
         try:
@@ -256,7 +256,7 @@ class _Attempts:
                 self.pool, config, self.world_size, placement.resource, units, strategy, env, timeout_s
             )
             if self.reporter is not None:
-                self.reporter.tag("trial.worker_group", f"{group['group']} (trial {group['reused'] + 1})")
+                self.reporter.tag(tags.TRIAL_WORKER_GROUP, f"{group['group']} (trial {group['reused'] + 1})")
             return summary, placed
         name = f"{self.name}-{attempt}"
         summary = _fit(config, self.world_size, placement, units, strategy, rt, self.env, name)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator import auto_report, cli, results
+from orchestrator import auto_report, cli, exit_codes, results, tags
 from orchestrator.grid_report import find_parent, from_trials
 from orchestrator.report_render import REPORT, attach, render
 
@@ -51,7 +51,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if parent is None:
         what = f"no sweep {args.sweep}" if args.sweep else "no sweep"
         return cli.no_match(f"--experiment={args.experiment}: {what} in {uri}")
-    sweep_id = parent.data.tags["sweep"]
+    sweep_id = parent.data.tags[tags.SWEEP]
     auto = None if args.filter else _stored(uri, parent.info.run_id, auto_report.NAME + ".json")
     if auto is not None:  # an automatic search (+sweep=auto): its own report, rendered again
         return _emit(auto, auto_report.render(auto, Path(args.out or Path("reports") / sweep_id)), args.json)
@@ -85,7 +85,7 @@ def _emit(data: Dict[str, Any], files: List[Path], as_json: bool) -> int:
     else:
         print(files[0].read_text())
         print(f"report: {files[0]} ({len(files) - 2} plot(s) beside it)")
-    return cli.EXIT_OK
+    return exit_codes.OK
 
 
 if __name__ == "__main__":

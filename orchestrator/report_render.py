@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from orchestrator import mlflow_ui, tracking
+from orchestrator import mlflow_ui, statuses, tags, tracking
 from orchestrator.results import fmt
 
 REPORT = "tuning_report"
@@ -70,7 +70,7 @@ def _head(data: Dict[str, Any]) -> List[str]:
             f"- the planner's step-time error on the measured points (largest error of a predicted ratio): "
             f"{100 * data['planner_error']:.1f}%"
         )
-    if data.get("outcome") not in (None, "finished"):
+    if data.get("outcome") not in (None, statuses.FINISHED):
         lines.append(f"- outcome: **{data['outcome']}**")
     return lines
 
@@ -270,9 +270,9 @@ def attach(uri: str, run_id: str, files: List[Path], data: Dict[str, Any]) -> No
         else:
             c.log_artifact(run_id, str(f), PLOTS if f.suffix == ".png" else None)
     final = data["final"]
-    c.set_tag(run_id, "tuning.final_overrides", " ".join(final["overrides"])[:5000])
-    c.set_tag(run_id, "tuning.command", final["command"][:5000])
-    c.set_tag(run_id, "tuning.outcome", str(data.get("outcome", "finished")))
+    c.set_tag(run_id, tags.TUNING_FINAL_OVERRIDES, " ".join(final["overrides"])[:5000])
+    c.set_tag(run_id, tags.TUNING_COMMAND, final["command"][:5000])
+    c.set_tag(run_id, tags.TUNING_OUTCOME, str(data.get("outcome", statuses.FINISHED)))
     base = data["rows"][0]["objective"] if data["rows"] else None
     t = data.get("trials") or {}
     tracking.log_metrics(

@@ -15,9 +15,9 @@ import statistics
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from orchestrator import tracking
+from orchestrator import statuses, tags, tracking
 
 DIRECTIONS = ("minimize", "maximize")
 # objectives that are a trial's median step time, or its inverse: a run measured with
@@ -48,24 +48,23 @@ def search(uri: str, experiment: str, filter_string: str = "", trials_only: bool
         if not token:
             break
     if trials_only:
-        runs = [r for r in runs if "trial.status" in r.data.tags]
+        runs = [r for r in runs if tags.TRIAL_STATUS in r.data.tags]
     return runs
 
 
-def tag_filter(**tags: Optional[str]) -> str:
+def tag_filter(wanted: Mapping[str, Optional[str]]) -> str:
     """An MLflow filter string matching every given tag (None values are left out)."""
     parts = []
-    for key, value in tags.items():
+    for key, value in wanted.items():
         if value is None:
             continue
-        key = key.replace("__", ".")
         escaped = str(value).replace("'", "\\'")
         parts.append(f"tags.`{key}` = '{escaped}'")
     return " and ".join(parts)
 
 
 def status(run: Any) -> str:
-    return run.data.tags.get("trial.status", "running")
+    return run.data.tags.get(tags.TRIAL_STATUS, statuses.RUNNING)
 
 
 def value(run: Any, objective: str) -> Optional[float]:
@@ -117,7 +116,7 @@ class Point:
 
     config_hash: Optional[str]
     overrides: List[str] = field(default_factory=list)
-    status: str = "pending"  # pending | finished | a failed status (infeasible, crash, ...)
+    status: str = statuses.PENDING  # pending | finished | a failed status (infeasible, crash, ...)
     reason: str = ""
     run_ids: List[str] = field(default_factory=list)
     values: List[float] = field(default_factory=list)
@@ -192,7 +191,7 @@ class Point:
             if why and not self.diverged:
                 self.diverged = why
         if self.values:
-            self.status, self.reason = tracking.STATUS_OK, ""
+            self.status, self.reason = statuses.FINISHED, ""
         return self
 
 
@@ -207,7 +206,7 @@ def quality_gate(point: "Point", baseline: "Point", loss_band: float) -> Optiona
     """Why a point can never be a win, however fast (it did not finish, its loss diverged, or its
     median loss is outside ``loss_band`` of the baseline's); None when it passes. The loss is the
     held-out ``val_loss`` when both have one (``trainer.eval_every``), else the final training loss."""
-    if point.status != tracking.STATUS_OK:
+    if point.status != statuses.FINISHED:
         return f"{point.status}: {point.reason}" if point.reason else point.status
     if point.diverged:
         return f"rejected by the quality gate: diverged ({point.diverged})"

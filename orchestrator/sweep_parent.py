@@ -46,13 +46,10 @@ from typing import Any, Dict, Iterator, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from orchestrator import mlflow_store, mlflow_ui, tracking
+from orchestrator import exit_codes, mlflow_store, mlflow_ui, statuses, tags, tracking
 
 log = logging.getLogger("orchestrator")
 ENV = "ORCHESTRATOR_SWEEP"  # the job's sweep, as JSON: id, parent run id, tracking uri, experiment
-REUSED_TAG = "sweep.reused."  # + the job's number, on the parent: the finished run a job reused
-# the parent run's MLflow status for a sweep.status
-RUN_STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 
 
 def active(hydra_context: Any) -> Optional[Dict[str, str]]:
@@ -105,10 +102,10 @@ def child_tags(tracking_cfg: DictConfig) -> Dict[str, str]:
     sweep = current()
     if sweep is None:
         return {}
-    tags = {"sweep": sweep["id"]}
+    out = {tags.SWEEP: sweep["id"]}
     if tracking.resolve_uri(tracking_cfg) == sweep["uri"] and tracking_cfg.experiment == sweep["experiment"]:
-        tags["mlflow.parentRunId"] = sweep["parent_run_id"]
-    return tags
+        out[tags.PARENT_RUN] = sweep["parent_run_id"]
+    return out
 
 
 def skips_finished(tracking_cfg: DictConfig) -> bool:
@@ -134,7 +131,7 @@ def finished_run(tracking_cfg: DictConfig, config_hash: str) -> Optional[Any]:
     runs = c.search_runs(
         [exp.experiment_id],
         filter_string=(
-            f"tags.`trial.config_hash` = '{config_hash}' and tags.`trial.status` = '{tracking.STATUS_OK}' "
+            f"tags.`{tags.CONFIG_HASH}` = '{config_hash}' and tags.`{tags.TRIAL_STATUS}` = '{statuses.FINISHED}' "
             "and attributes.status = 'FINISHED'"
         ),
         max_results=1,
@@ -148,7 +145,7 @@ def record_reused(job_num: int, run_id: str) -> None:
     (one tag per job: jobs running at once never overwrite each other's)."""
     sweep = current()
     if sweep is not None:
-        tracking.client(sweep["uri"]).set_tag(sweep["parent_run_id"], f"{REUSED_TAG}{job_num}", run_id)
+        tracking.client(sweep["uri"]).set_tag(sweep["parent_run_id"], f"{tags.REUSED}{job_num}", run_id)
 
 
 def _param_key(override: str) -> str:
@@ -167,20 +164,21 @@ def start_sweep(config: DictConfig) -> Dict[str, str]:
     hydra = config.hydra
     overrides = [str(o) for o in hydra.overrides.task]
     choices = hydra.runtime.choices
-    tags = {
-        "sweep": sweep_id,
-        "sweep.status": "running",
-        "sweep.launcher": str(choices.get("hydra/launcher", "")),
-        "sweep.sweeper": str(choices.get("hydra/sweeper", "")),
-        "sweep.dir": str(hydra.sweep.dir),
-        "mlflow.runName": f"sweep {' '.join(overrides)}"[:250],
-        tracking.NOTE_TAG: tracking.run_note(overrides, f"sweep {sweep_id}", multirun=True)[: tracking.MAX_TAG_VALUE],
+    name = f"sweep {' '.join(overrides)}"[:250]
+    run_tags = {
+        tags.SWEEP: sweep_id,
+        tags.SWEEP_STATUS: statuses.RUNNING,
+        tags.SWEEP_LAUNCHER: str(choices.get("hydra/launcher", "")),
+        tags.SWEEP_SWEEPER: str(choices.get("hydra/sweeper", "")),
+        tags.SWEEP_DIR: str(hydra.sweep.dir),
+        "mlflow.runName": name,
+        tags.NOTE: tracking.run_note(overrides, f"sweep {sweep_id}", multirun=True)[: tracking.MAX_TAG_VALUE],
         **tracking.source_tags(),
     }
     c = tracking.client(uri)
-    run = c.create_run(exp, run_name=tags["mlflow.runName"], tags=tags)
+    run = c.create_run(exp, run_name=name, tags=run_tags)
     params = {_param_key(o): o.split("=", 1)[1] if "=" in o else "" for o in overrides}
-    params["sweep.overrides"] = " ".join(overrides)
+    params[tags.SWEEP_OVERRIDES] = " ".join(overrides)
     c.log_batch(run.info.run_id, params=[Param(k[:250], v[:6000]) for k, v in sorted(params.items())])
     c.log_text(run.info.run_id, "\n".join(overrides) + "\n", "overrides.txt")
     log.info("sweep %s: parent run %s", sweep_id, run.info.run_id)
@@ -196,20 +194,22 @@ def start_sweep(config: DictConfig) -> Dict[str, str]:
 
 def _trial_runs(sweep: Dict[str, Any]) -> list:
     c = tracking.client(sweep["uri"])
-    runs = c.search_runs([sweep["experiment_id"]], filter_string=f"tags.sweep = '{sweep['id']}'", max_results=50000)
+    runs = c.search_runs(
+        [sweep["experiment_id"]], filter_string=f"tags.`{tags.SWEEP}` = '{sweep['id']}'", max_results=50000
+    )
     return [r for r in runs if r.info.run_id != sweep["parent_run_id"]]
 
 
 def progress(sweep: Dict[str, Any]) -> Dict[str, int]:
     """Trials of the sweep so far, by state, counted from their runs (whichever process ran them),
     and the points its jobs did not launch because they had finished before (``trials_reused``)."""
-    statuses = [r.data.tags.get("trial.status", "running") for r in _trial_runs(sweep)]
+    told = [r.data.tags.get(tags.TRIAL_STATUS, statuses.RUNNING) for r in _trial_runs(sweep)]
     parent_tags = tracking.client(sweep["uri"]).get_run(sweep["parent_run_id"]).data.tags
     return {
-        "trials_done": sum(s == tracking.STATUS_OK for s in statuses),
-        "trials_failed": sum(s in tracking.FAILED_STATUSES for s in statuses),
-        "trials_running": sum(s == "running" for s in statuses),
-        "trials_reused": sum(k.startswith(REUSED_TAG) for k in parent_tags),
+        "trials_done": sum(s == statuses.FINISHED for s in told),
+        "trials_failed": sum(s in statuses.TRIAL_FAILED for s in told),
+        "trials_running": sum(s == statuses.RUNNING for s in told),
+        "trials_reused": sum(k.startswith(tags.REUSED) for k in parent_tags),
     }
 
 
@@ -220,22 +220,22 @@ def log_progress(sweep: Dict[str, Any]) -> Dict[str, int]:
     return counts
 
 
-def end_sweep(sweep: Dict[str, Any], status: str = "finished", reason: str = "") -> None:
+def end_sweep(sweep: Dict[str, Any], status: str = statuses.FINISHED, reason: str = "") -> None:
     """Close the parent run: ``status`` finished, failed (the driver crashed: ``reason``) or killed
     (interrupted). A sweep that did not finish first ends its trials still RUNNING (their job was
     cancelled or died with the driver): killed after an interrupt, else crash."""
     c = tracking.client(sweep["uri"])
-    if status != "finished":
-        trial_status = tracking.STATUS_KILLED if status == "killed" else "crash"
-        ended = (tracking.STATUS_OK, *tracking.FAILED_STATUSES)
+    if status != statuses.FINISHED:
+        trial_status = statuses.KILLED if status == statuses.KILLED else statuses.CRASH
+        ended = (statuses.FINISHED, *statuses.TRIAL_FAILED)
         for r in _trial_runs(sweep):
             if r.info.status != "RUNNING":
                 continue
-            told = r.data.tags.get("trial.status")
+            told = r.data.tags.get(tags.TRIAL_STATUS)
             if told in ended:
                 # its end was cut between its tags and its run status (tracking.end_run writes
                 # both; an interrupt can land between): what it ended as stands, its status follows
-                c.set_terminated(r.info.run_id, tracking.RUN_STATUS.get(told, "FAILED"))
+                c.set_terminated(r.info.run_id, statuses.run_status(told))
             else:
                 tracking.end_run(sweep["uri"], r.info.run_id, trial_status, f"the sweep's driver ended: {reason}")
     counts = log_progress(sweep)
@@ -246,16 +246,16 @@ def end_sweep(sweep: Dict[str, Any], status: str = "finished", reason: str = "")
     def _end() -> None:
         from mlflow.entities import RunTag
 
-        note = c.get_run(parent).data.tags.get(tracking.NOTE_TAG, "")
+        note = c.get_run(parent).data.tags.get(tags.NOTE, "")
         result = f"**{status}**: {line.split(': ', 1)[1]}" + (f"\n\n{reason}" if reason else "")
-        tags = {"sweep.status": status, tracking.NOTE_TAG: tracking.with_result(note, result)}
+        ended = {tags.SWEEP_STATUS: status, tags.NOTE: tracking.with_result(note, result)}
         if reason:
-            tags["sweep.reason"] = reason[:5000]
-        c.log_batch(parent, tags=[RunTag(k, v) for k, v in tags.items()])
-        c.set_terminated(parent, RUN_STATUS[status])
+            ended[tags.SWEEP_REASON] = reason[:5000]
+        c.log_batch(parent, tags=[RunTag(k, v) for k, v in ended.items()])
+        c.set_terminated(parent, statuses.run_status(status))
 
     mlflow_store.retrying(_end, f"sweep {sweep['id']}: its end")
-    if status == "finished":
+    if status == statuses.FINISHED:
         log.info(line)
     else:
         log.warning("%s; %s: %s", line, status, reason)
@@ -285,7 +285,7 @@ class SweepCallback(Callback):
                 # Hydra turns a callback's exception into a warning and launches the jobs anyway:
                 # stop as a broken config stops (one error line, exit code 2, nothing launched)
                 print(f"error: {err}", file=sys.stderr)
-                raise SystemExit(2) from None
+                raise SystemExit(exit_codes.BAD_INPUT) from None
             self.pid = os.getpid()
             atexit.register(self._driver_exits)
             if threading.current_thread() is threading.main_thread():
@@ -311,9 +311,9 @@ class SweepCallback(Callback):
             return
         self.sweep["ended"] = True
         if isinstance(err, KeyboardInterrupt) or self.terminated:
-            status, reason = "killed", f"interrupted ({self.terminated or 'KeyboardInterrupt'})"
+            status, reason = statuses.KILLED, f"interrupted ({self.terminated or 'KeyboardInterrupt'})"
         else:
-            status = "failed"
+            status = statuses.FAILED
             reason = _last_line(err) if err is not None else (self.job_error or "the driver exited")
         end_sweep(self.sweep, status, reason)
 

@@ -33,6 +33,7 @@ from typing import Any, Dict, Iterable, Optional, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator import statuses, tags
 from orchestrator.mlflow_store import (
     client,
     default_artifact_location,
@@ -47,20 +48,9 @@ T = TypeVar("T")
 
 # sections that define what a trial computes; tracking and launch details do not change it
 HASHED_SECTIONS = ("chip", "parallel", "precision", "comm", "model", "data", "trainer")
-STATUS_OK = "finished"
-STATUS_KILLED = "killed"  # the driver was interrupted (Ctrl-C, SIGTERM) while the trial ran
-FAILED_STATUSES = ("infeasible", "oom", "nonfinite", "timeout", "crash", "node_lost", "unsupported_op", STATUS_KILLED)
-# MLflow's own run status for a trial status: KILLED for an interrupt, FAILED for any other failure
-RUN_STATUS = {STATUS_OK: "FINISHED", STATUS_KILLED: "KILLED"}
 
-# MLflow 3's UI picks an experiment's view from this tag (EXPERIMENT_KIND_TAG_KEY in
-# mlflow/server/js/src/experiment-tracking/utils/ExperimentKindUtils.ts); the model-training
-# kind is ExperimentKind.CUSTOM_MODEL_DEVELOPMENT in .../experiment-tracking/constants.ts
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-EXPERIMENT_KIND = "custom_model_development"
-NOTE_TAG = "mlflow.note.content"  # mlflow.utils.mlflow_tags.MLFLOW_RUN_NOTE: the run's Description
+EXPERIMENT_KIND = "custom_model_development"  # the model-training view (tags.EXPERIMENT_KIND)
 RESULT_HEADING = "\n\n**Result**: "  # the note's part that the run's end writes (and rewrites)
-UNDELIVERED_TAG = "tracking.undelivered"  # the journal of records the store never got
 MAX_TAG_VALUE = 8000  # MLflow's limit on a tag value (mlflow.utils.validation.MAX_TAG_VAL_LENGTH)
 
 
@@ -95,14 +85,14 @@ def experiment_id(uri: str, name: str, artifact_location: Optional[str] = None) 
             return c.create_experiment(
                 name,
                 artifact_location=artifact_location or default_artifact_location(uri),
-                tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND},
+                tags={tags.EXPERIMENT_KIND: EXPERIMENT_KIND},
             )
         except Exception:  # another process created it first
             exp = c.get_experiment_by_name(name)
             if exp is None:
                 raise
-    if EXPERIMENT_KIND_TAG not in (exp.tags or {}):
-        c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    if tags.EXPERIMENT_KIND not in (exp.tags or {}):
+        c.set_experiment_tag(exp.experiment_id, tags.EXPERIMENT_KIND, EXPERIMENT_KIND)
     return exp.experiment_id
 
 
@@ -212,7 +202,7 @@ def dataset_input(data: DictConfig | Dict[str, Any]) -> Any:
     return DatasetInput(ds, tags=[InputTag(MLFLOW_DATASET_CONTEXT, "train")])
 
 
-def start_run(cfg: DictConfig, overrides: Iterable[str], tags: Dict[str, str]) -> tuple[str, str]:
+def start_run(cfg: DictConfig, overrides: Iterable[str], run_tags: Dict[str, str]) -> tuple[str, str]:
     """Create the trial's run with params, tags, its description, its dataset and config
     artifacts; return (uri, run_id)."""
     from mlflow.entities import Param
@@ -226,11 +216,11 @@ def start_run(cfg: DictConfig, overrides: Iterable[str], tags: Dict[str, str]) -
     name = " ".join(overrides) or "default"
     all_tags = {
         **source_tags(),
-        NOTE_TAG: run_note(overrides)[:MAX_TAG_VALUE],
-        "trial.status": "running",
-        "trial.config_hash": chash,
+        tags.NOTE: run_note(overrides)[:MAX_TAG_VALUE],
+        tags.TRIAL_STATUS: statuses.RUNNING,
+        tags.CONFIG_HASH: chash,
         "mlflow.runName": name[:250],
-        **tags,
+        **run_tags,
     }
     run = c.create_run(exp, run_name=name[:250], tags=all_tags)
     rid = run.info.run_id
@@ -264,7 +254,7 @@ def end_run(
     status: str,
     reason: str = "",
     summary: Optional[Dict[str, Any]] = None,
-    tags: Optional[Dict[str, str]] = None,
+    run_tags: Optional[Dict[str, str]] = None,
 ) -> None:
     """Record how the trial ended: ``trial.status`` (and ``trial.reason``), the result in the run's
     description, MLflow's run status. Retried while the store is briefly away."""
@@ -272,12 +262,12 @@ def end_run(
 
     def _end() -> None:
         c = client(uri)
-        note = c.get_run(run_id).data.tags.get(NOTE_TAG, "")
-        batch = {"trial.status": status, NOTE_TAG: with_result(note, result_note(status, reason, summary))}
+        note = c.get_run(run_id).data.tags.get(tags.NOTE, "")
+        batch = {tags.TRIAL_STATUS: status, tags.NOTE: with_result(note, result_note(status, reason, summary))}
         if reason:
-            batch["trial.reason"] = reason[:5000]
-        batch.update(tags or {})
+            batch[tags.TRIAL_REASON] = reason[:5000]
+        batch.update(run_tags or {})
         c.log_batch(run_id, tags=[RunTag(k, v) for k, v in batch.items()])
-        c.set_terminated(run_id, RUN_STATUS.get(status, "FAILED"))
+        c.set_terminated(run_id, statuses.run_status(status))
 
     retrying(_end, f"run {run_id}: its end")

@@ -32,7 +32,9 @@ from orchestrator import (
     planner,
     ray_cluster,
     ray_trial,
+    statuses,
     sweep_parent,
+    tags,
     tracking,
     trial_files,
 )
@@ -107,7 +109,7 @@ def build_spec(cfg: DictConfig, lay: Optional[Layout] = None) -> TrialSpec:
 def trial_tags(cfg: DictConfig, lay: Optional[Layout] = None) -> Dict[str, str]:
     """The run's tags of a trial (``lay``: its layout, else worked out from ``cfg``)."""
     lay = lay or layout(cfg)
-    tags = {
+    out = {
         "chip": cfg.chip.name,
         "chip.source": cfg.chip.source,
         "chip.vendor": cfg.chip.vendor,
@@ -119,27 +121,27 @@ def trial_tags(cfg: DictConfig, lay: Optional[Layout] = None) -> Dict[str, str]:
     }
     f = cfg.trainer.fault
     if f.at_step >= 0 or f.nan_at_step >= 0 or f.straggle_s > 0:  # a drill ran: its step times say so
-        tags["fault"] = OmegaConf.to_yaml(f).strip().replace("\n", ", ")
-    return tags
+        out["fault"] = OmegaConf.to_yaml(f).strip().replace("\n", ", ")
+    return out
 
 
 def record_infeasible(
     cfg: DictConfig,
     overrides: Iterable[str],
     errors: List[str],
-    status: str = "infeasible",
+    status: str = statuses.INFEASIBLE,
     preflight: Optional[Dict[str, Any]] = None,
     lay: Optional[Layout] = None,
 ) -> Optional[str]:
     """A trial that cannot run still gets a run, with its status and the reasons; not launched.
     ``lay``: its layout when already worked out. None (a warning) when the store cannot be used."""
-    tags = trial_tags(cfg, lay) if not OmegaConf.is_missing(cfg.chip, "name") else {}
-    tags.update(sweep_parent.child_tags(cfg.tracking))
+    run_tags = trial_tags(cfg, lay) if not OmegaConf.is_missing(cfg.chip, "name") else {}
+    run_tags.update(sweep_parent.child_tags(cfg.tracking))
     why = mlflow_store.store_problem(tracking.resolve_uri(cfg.tracking))
     if why:  # nowhere to record it: say so instead of waiting on the store
         log.warning("not recorded (%s: %s): %s", tracking.resolve_uri(cfg.tracking), why, "; ".join(errors))
         return None
-    uri, run_id = tracking.start_run(cfg, overrides, tags)
+    uri, run_id = tracking.start_run(cfg, overrides, run_tags)
     if preflight is not None:
         _log_preflight(uri, run_id, preflight)
     tracking.end_run(uri, run_id, status, "; ".join(errors))
@@ -175,7 +177,7 @@ def _preflight(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def _infeasible_status(report: Dict[str, Any]) -> str:
-    return "unsupported_op" if report["ops"].get("unresolved") else "infeasible"
+    return statuses.UNSUPPORTED_OP if report["ops"].get("unresolved") else statuses.INFEASIBLE
 
 
 def check(cfg: DictConfig) -> Dict[str, Any]:
@@ -187,7 +189,7 @@ def check(cfg: DictConfig) -> Dict[str, Any]:
         resolve(cfg)
     except ConfigError as err:
         return {
-            "status": "infeasible",
+            "status": statuses.INFEASIBLE,
             "reasons": err.errors,
             "preflight": None,
             "config_hash": tracking.config_hash(cfg),
@@ -246,7 +248,7 @@ def start(
     overrides = list(overrides)
     lay = resolved.layout
     report = _preflight(cfg)
-    result: Dict[str, Any] = {"status": "running", "run_id": None, "preflight": report}
+    result: Dict[str, Any] = {"status": statuses.RUNNING, "run_id": None, "preflight": report}
     trial = Trial(resolved, overrides, result)
     if not report["feasible"]:
         status = _infeasible_status(report)
@@ -297,17 +299,18 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
     handlers = {s: signal.getsignal(s) for s in interrupts} if main_thread else {}
     try:
         summary = launch(trial.spec, reporter, lay.world_size, trial.resolved.launch_section())
-        result.update(status=tracking.STATUS_OK, summary=summary)
+        result.update(status=statuses.FINISHED, summary=summary)
         _log_memory_check(reporter, result)
     except TrialFailed as err:
         result.update(status=err.status, reason=err.reason)
     except BaseException as err:  # the control plane itself was interrupted: still close the run
         # a KeyboardInterrupt, or torch's SignalException for SIGINT/SIGTERM
         interrupted = isinstance(err, KeyboardInterrupt) or getattr(err, "sigval", None) in interrupts
-        result.update(status=tracking.STATUS_KILLED if interrupted else "crash", reason=f"{type(err).__name__}: {err}")
+        result.update(status=statuses.KILLED if interrupted else statuses.CRASH, reason=f"{type(err).__name__}: {err}")
         if reporter is not None:  # what rank 0 left undelivered stays in its journal
-            tags = _undelivered(reporter)
-            tracking.end_run(reporter.uri, reporter.run_id, result["status"], result["reason"], tags=tags)
+            tracking.end_run(
+                reporter.uri, reporter.run_id, result["status"], result["reason"], run_tags=_undelivered(reporter)
+            )
         if interrupted and not isinstance(err, KeyboardInterrupt):
             # one kind of interrupt for the driver: the sweep stops, and its parent run ends KILLED
             raise KeyboardInterrupt(str(err)) from None
@@ -317,11 +320,11 @@ def finish(trial: Trial, launch: Optional[LaunchFn] = None) -> Dict[str, Any]:
             if handler is not None:
                 signal.signal(signum, handler)
     if reporter is not None:
-        tags = _undelivered(reporter, deliver=True)
+        run_tags = _undelivered(reporter, deliver=True)
         # the backend variables as rank 0 ran with them (trainers.runtime.ran_with)
-        tags.update({f"env.{k}": v for k, v in ((result.get("summary") or {}).get("backend_env") or {}).items()})
+        run_tags.update({f"env.{k}": v for k, v in ((result.get("summary") or {}).get("backend_env") or {}).items()})
         tracking.end_run(
-            reporter.uri, reporter.run_id, result["status"], result.get("reason", ""), result.get("summary"), tags
+            reporter.uri, reporter.run_id, result["status"], result.get("reason", ""), result.get("summary"), run_tags
         )
     return result
 
@@ -335,7 +338,7 @@ def _undelivered(reporter: mlflow_reporter.MlflowReporter, deliver: bool = False
     if deliver and mlflow_reporter.deliver_journal(journal):
         return {}
     log.warning("run %s: records the store has not got are kept in %s", reporter.run_id, journal)
-    return {tracking.UNDELIVERED_TAG: journal}
+    return {tags.UNDELIVERED: journal}
 
 
 def _log_memory_check(reporter: Optional[mlflow_reporter.MlflowReporter], result: Dict[str, Any]) -> None:

@@ -39,10 +39,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from orchestrator import statuses
 from orchestrator.planner.space import Candidate
 from trainers.rules import DP_MODES
-
-OOM = "oom"
 
 
 @dataclass
@@ -51,7 +50,7 @@ class Entry:
 
     candidate: Candidate
     predicted_s: float  # the planner's step time
-    status: str = "pending"  # pending | finished | a failed status | pruned
+    status: str = statuses.PENDING  # pending | finished | a failed status | pruned
     measured_s: Optional[float] = None  # the median of ``samples``
     trial_s: float = 0.0  # seconds its trials cost
     samples: List[float] = field(default_factory=list)  # the step time of each finished run
@@ -140,10 +139,10 @@ class Search:
     # --- what is known -----------------------------------------------------------------------
 
     def measured(self) -> List[Entry]:
-        return [e for e in self.entries if e.status == "finished"]
+        return [e for e in self.entries if e.status == statuses.FINISHED]
 
     def pending(self) -> List[Entry]:
-        return [e for e in self.entries if e.status == "pending"]
+        return [e for e in self.entries if e.status == statuses.PENDING]
 
     def best(self) -> Optional[Entry]:
         done = self.measured()
@@ -217,26 +216,26 @@ class Search:
             return [again, *self._rank()[: n - 1]]
         return self._rank()[: max(0, n)]
 
-    def record(self, entry: Entry, measured_s: Optional[float], status: str = "finished", reason: str = "",
+    def record(self, entry: Entry, measured_s: Optional[float], status: str = statuses.FINISHED, reason: str = "",
                trial_s: float = 0.0, samples: Optional[Sequence[float]] = None) -> None:  # fmt: skip
         """A trial's outcome: its median step time, or the status it failed with; ``trial_s`` what
         it cost. A measured entry run again (its confirmation) gains a sample; ``samples``, where
         given, are all of the entry's runs (the runner's own record of them)."""
         entry.trial_s += trial_s
         entry.runs += 1
-        if status == "finished" and measured_s is not None:
+        if status == statuses.FINISHED and measured_s is not None:
             entry.samples = [float(v) for v in samples] if samples else [*entry.samples, float(measured_s)]
-            entry.status, entry.measured_s = "finished", statistics.median(entry.samples)
+            entry.status, entry.measured_s = statuses.FINISHED, statistics.median(entry.samples)
             return
-        if entry.status == "finished":  # a confirming run that failed: its first figure stands
+        if entry.status == statuses.FINISHED:  # a confirming run that failed: its first figure stands
             self.log.append(f"{entry.name}: its run {entry.runs} did not finish ({status}: {reason[:200]})")
             return
         entry.status, entry.reason = status, reason
-        if status != OOM:
+        if status != statuses.OOM:
             return
         implied = [e for e in self.pending() if implied_by_oom(entry.candidate, e.candidate)]
         for e in implied:
-            e.status, e.reason = "pruned", f"implied by {entry.name}: out of memory with less"
+            e.status, e.reason = statuses.PRUNED, f"implied by {entry.name}: out of memory with less"
         if implied:
             self.log.append(f"{entry.name} ran out of memory: {len(implied)} candidate(s) that need more pruned")
         if self.memory_gb and entry.planned_gb:
@@ -249,7 +248,7 @@ class Search:
         over = [e for e in self.pending() if e.planned_gb and e.planned_gb * self.memory_scale >= self.memory_gb]
         for e in over:
             e.status, e.reason = (
-                "pruned",
+                statuses.PRUNED,
                 (
                     f"memory corrected by {failed.name}'s out of memory (planned x {self.memory_scale:.2f}): "
                     f"{e.planned_gb * self.memory_scale:.1f} GiB >= the device's {self.memory_gb:g}"
@@ -277,8 +276,8 @@ class Search:
                 reason = self.stop_reason() or "no candidate left"
                 self.log.append(f"stop: {reason}")
                 return reason
-            again = [e.name for e in batch if e.status == "finished"]
-            new = [e.name for e in batch if e.status != "finished"]
+            again = [e.name for e in batch if e.status == statuses.FINISHED]
+            new = [e.name for e in batch if e.status != statuses.FINISHED]
             measure(batch)
             self.update()
             best = self.best()
@@ -294,13 +293,13 @@ def kendall_tau(entries: Sequence[Entry]) -> Optional[float]:
     """Rank agreement of the planner's (uncorrected) predictions with the measured step times."""
     from orchestrator.planner.rank_stats import kendall_tau as tau
 
-    done = [e for e in entries if e.status == "finished"]
+    done = [e for e in entries if e.status == statuses.FINISHED]
     return tau([e.predicted_s for e in done], [e.measured_s for e in done])
 
 
 def mean_abs_error(entries: Sequence[Entry]) -> Optional[float]:
     """The planner's mean |predicted - measured| / measured on the measured points."""
-    done = [e for e in entries if e.status == "finished"]
+    done = [e for e in entries if e.status == statuses.FINISHED]
     if not done:
         return None
     return statistics.fmean(abs(e.predicted_s - e.measured_s) / e.measured_s for e in done)
@@ -315,7 +314,7 @@ def summary(search: Search) -> Dict[str, object]:
         "best_runs": best.samples if best else None,
         "device_hours": search.device_hours(),
         "memory_scale": search.memory_scale,
-        "pruned": sum(1 for e in search.entries if e.status == "pruned"),
+        statuses.PRUNED: sum(1 for e in search.entries if e.status == statuses.PRUNED),
         "best": best.name if best else None,
         "best_s": best.measured_s if best else None,
         "planner_mean_abs_error": mean_abs_error(search.entries),

@@ -40,12 +40,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from orchestrator import auto_report, results, sweep_parent, tracking
+from orchestrator import auto_report, results, statuses, sweep_parent, tags, tracking
 from orchestrator.filled import fill
 from orchestrator.planner.search import base_config
 from orchestrator.planner.space import candidate_config
 from sweeps import auto_polish as polish
-from sweeps.auto import OOM, Entry, Search, ratio_refit, summary
+from sweeps.auto import Entry, Search, ratio_refit, summary
 from sweeps.auto_spec import AutoSpec, parse
 from sweeps.ovat import Runner, Study, _fail_study
 
@@ -61,7 +61,7 @@ def _plain(cfg: DictConfig) -> DictConfig:
 
 def _entry_row(e: Entry, chosen: Optional[Entry], stop: str) -> Dict[str, Any]:
     left = "not measured: budget spent" if stop.startswith("budget") else "not measured: predicted out of reach"
-    fate = {"finished": "measured", "pruned": "pruned by a failure", "pending": left}.get(
+    fate = {statuses.FINISHED: "measured", statuses.PRUNED: "pruned by a failure", statuses.PENDING: left}.get(
         e.status, f"failed: {e.status}"
     )
     return {
@@ -219,7 +219,7 @@ def _measure(sweeper, arguments, cfg, devices, auto, batch, plan, info):
         return OrderedDict((k, _value(v)) for k, v in candidate.values(devices, dpn).items())
 
     top = runner.point(assignment(res.plans[0].candidate))
-    if top.status not in ("pending", tracking.STATUS_OK):
+    if top.status not in (statuses.PENDING, statuses.FINISHED):
         _fail_study([f"launch.world_size={devices}: the planner's best point cannot launch here: {top.reason}"], info)
     base, _ = base_config(cfg)
     configs = {p.candidate: candidate_config(base, devices, p.candidate) for p in res.plans}
@@ -242,17 +242,17 @@ def _measure(sweeper, arguments, cfg, devices, auto, batch, plan, info):
     def measure(entries: List[Entry]) -> None:
         pts = [runner.point(assignment(e.candidate)) for e in entries]
         for e, p in zip(entries, pts):
-            if e.status == "finished":  # the best, confirmed: one run more than it has
+            if e.status == statuses.FINISHED:  # the best, confirmed: one run more than it has
                 p.repeats = e.runs + 1
         runner.measure(pts)
         for e, p in zip(entries, pts):
             points[id(e)] = p
             seconds = max(0.0, _seconds(info["uri"], p.run_ids) - e.trial_s)  # this batch's run(s)
-            if p.status == tracking.STATUS_OK and p.value is not None:
+            if p.status == statuses.FINISHED and p.value is not None:
                 search.record(e, p.value, trial_s=seconds, samples=p.values)
             else:
-                search.record(e, None, status=p.status if p.status != "pending" else "crash", reason=p.reason,
-                              trial_s=seconds)  # fmt: skip
+                failed = p.status if p.status != statuses.PENDING else statuses.CRASH
+                search.record(e, None, status=failed, reason=p.reason, trial_s=seconds)
             log.info("auto: %s: %s", e.name, f"{p.value:.4g} s" if p.value else f"{p.status}: {p.reason[:200]}")
 
     stop = search.run(measure)
@@ -332,10 +332,10 @@ def _report(data: Dict[str, Any], out_dir: Path, info: Dict[str, str]) -> None:
     rid = info["parent_run_id"]
     for f in files:
         c.log_artifact(rid, str(f))
-    c.set_tag(rid, "auto.stop", data["stop"][:5000])
+    c.set_tag(rid, tags.AUTO_STOP, data["stop"][:5000])
     if data["final_overrides"]:
-        c.set_tag(rid, "tuning.final_overrides", " ".join(data["final_overrides"])[:5000])
-        c.set_tag(rid, "tuning.command", (data["command"] or "")[:5000])
+        c.set_tag(rid, tags.TUNING_FINAL_OVERRIDES, " ".join(data["final_overrides"])[:5000])
+        c.set_tag(rid, tags.TUNING_COMMAND, (data["command"] or "")[:5000])
     s = data["summary"]
     metrics = {
         "auto_trials": s["trials"],
@@ -350,4 +350,4 @@ def _report(data: Dict[str, Any], out_dir: Path, info: Dict[str, str]) -> None:
     log.info("auto: report %s (and on the sweep's parent run %s)", md, rid)
 
 
-__all__ = ["AutoSpec", "parse", "run_auto", "OOM"]
+__all__ = ["AutoSpec", "parse", "run_auto"]

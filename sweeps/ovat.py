@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import OmegaConf
 
-from orchestrator import report_render, results, sweep_parent, tracking
+from orchestrator import exit_codes, report_render, results, statuses, sweep_parent, tracking
 from orchestrator.results import Point
 from sweeps.ovat_rows import _planned_row, _row, _skip_row
 from sweeps.ovat_runner import Runner, _label
@@ -71,7 +71,7 @@ def model_error(points: Sequence[Point], objective: str) -> Optional[float]:
     logs = []
     for p in points:
         pred = predicted(p, objective)
-        if pred is not None and p.status == tracking.STATUS_OK and p.value and p.value > 0:
+        if pred is not None and p.status == statuses.FINISHED and p.value and p.value > 0:
             logs.append(math.log(pred / p.value))
     if len(logs) < 2:
         return None
@@ -134,13 +134,13 @@ class _Descent:
         self.skipped: List[str] = []
         self.step = 0
         self.predicted_skips = 0
-        ok = self.baseline.status == tracking.STATUS_OK
+        ok = self.baseline.status == statuses.FINISHED
         first_decision = "baseline" if ok else f"{self.baseline.status}: {self.baseline.reason}"
         b = self.baseline
         self.rows: List[Dict[str, Any]] = [
             _row(0, 0, "(baseline)", _label(self.current), b, b, b, study, first_decision, False)
         ]
-        self.outcome = "finished" if ok else "baseline_failed"
+        self.outcome = statuses.FINISHED if ok else "baseline_failed"
         if not ok:
             log.error("ovat: the baseline did not finish (%s: %s); nothing to compare against", b.status, b.reason)
         else:
@@ -172,7 +172,8 @@ class _Descent:
         cands = [(v, self.runner.point({**self.current, key: v})) for v in values]
         error = model_error(list(self.runner.points.values()), study.objective)
         plans = {
-            id(p): planner_verdict(p, self.incumbent, study, error if p.status == "pending" else None) for _, p in cands
+            id(p): planner_verdict(p, self.incumbent, study, error if p.status == statuses.PENDING else None)
+            for _, p in cands
         }
         cands.sort(key=lambda vp: -(plans[id(vp[1])][0] or 0.0))
         for v, p in [vp for vp in cands if plans[id(vp[1])][1]]:
@@ -265,7 +266,7 @@ class _Descent:
             "trials": {
                 "launched": runner.launched,
                 "reused": runner.reused,
-                "pruned": runner.pruned,
+                statuses.PRUNED: runner.pruned,
                 "predicted_skips": self.predicted_skips,
             },
             "planner_error": model_error(list(runner.points.values()), study.objective),
@@ -279,7 +280,7 @@ def descend(study: Study, runner: Runner) -> Dict[str, Any]:
     over the variables go on while one adopts a change, at most ``study.passes``."""
     descent = _Descent(study, runner)
     for pass_ in range(1, study.passes + 1):
-        if descent.outcome != "finished":
+        if descent.outcome != statuses.FINISHED:
             break
         adopted = [descent.vary(pass_, key) for key in descent.keys]
         if not any(adopted):
@@ -293,7 +294,7 @@ def _fail_study(errors: List[str], info: Optional[Dict[str, Any]] = None) -> Non
         sweep_parent.discard(info)
     for line in errors:
         print(f"error: {line}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(exit_codes.BAD_INPUT)
 
 
 def _check_composes(study: Study, runner: Runner) -> None:

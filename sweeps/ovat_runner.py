@@ -10,7 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, open_dict
 
-from orchestrator import effects, results, sweep_parent, tracking, trial
+from orchestrator import effects, results, statuses, sweep_parent, tags, trial
 from orchestrator.filled import fill
 from orchestrator.results import Point
 from sweeps.ovat_spec import Study
@@ -73,10 +73,10 @@ class Runner:
         return effects.no_effect(cfgs, key)
 
     def _finished(self, p: Point) -> List[Any]:
-        tags = {"trial__config_hash": p.config_hash, "trial__status": tracking.STATUS_OK}
+        wanted = {tags.CONFIG_HASH: p.config_hash, tags.TRIAL_STATUS: statuses.FINISHED}
         if not self.study.resume:
-            tags["sweep"] = self.info["id"]
-        return results.search(self.uri, self.experiment, results.tag_filter(**tags))
+            wanted[tags.SWEEP] = self.info["id"]
+        return results.search(self.uri, self.experiment, results.tag_filter(wanted))
 
     def _refresh(self, p: Point) -> int:
         """Fill the point from MLflow; returns how many repeats are still missing."""
@@ -84,7 +84,7 @@ class Runner:
         usable = [r for r in runs if results.value(r, self.study.objective) is not None]
         p.fill(self.uri, usable[: self._repeats(p)], self.study.objective)
         if runs and not usable:
-            p.status, p.reason = "failed", f"objective {self.study.objective} is not logged by its runs"
+            p.status, p.reason = statuses.FAILED, f"objective {self.study.objective} is not logged by its runs"
             return 0
         return self._repeats(p) - len(p.run_ids)
 
@@ -92,7 +92,7 @@ class Runner:
         return p.repeats or self.study.repeats
 
     def _unfinished(self, p: Point) -> bool:
-        return p.status == "pending" or (p.status == tracking.STATUS_OK and len(p.run_ids) < self._repeats(p))
+        return p.status == statuses.PENDING or (p.status == statuses.FINISHED and len(p.run_ids) < self._repeats(p))
 
     def measure(self, points: Sequence[Point]) -> None:
         """Finish every pending point, and every finished one asked for more runs than it has
@@ -105,7 +105,7 @@ class Runner:
             self.reused += len(p.run_ids)
             if missing > 0:
                 need[id(p)] = missing
-            elif p.status == tracking.STATUS_OK:
+            elif p.status == statuses.FINISHED:
                 log.info(
                     "ovat: %s already measured in MLflow (%d runs), not run again", _label(p.labels), len(p.run_ids)
                 )
@@ -130,20 +130,24 @@ class Runner:
 
     def _fail(self, p: Point, job_error: Optional[str]) -> None:
         runs = results.search(
-            self.uri, self.experiment, results.tag_filter(trial__config_hash=p.config_hash, sweep=self.info["id"])
+            self.uri,
+            self.experiment,
+            results.tag_filter({tags.CONFIG_HASH: p.config_hash, tags.SWEEP: self.info["id"]}),
         )
-        failed = [r for r in runs if results.status(r) != tracking.STATUS_OK]
+        failed = [r for r in runs if results.status(r) != statuses.FINISHED]
         if failed:
             p.status = results.status(failed[0])
-            p.reason = failed[0].data.tags.get("trial.reason", "")
+            p.reason = failed[0].data.tags.get(tags.TRIAL_REASON, "")
         else:
-            p.status, p.reason = "crash", job_error or "no finished run came back"
+            p.status, p.reason = statuses.CRASH, job_error or "no finished run came back"
         if p.run_ids:
             p.reason = f"{len(p.run_ids)} of {self._repeats(p)} repeats finished; {p.reason}"
         p.run_ids = [r.info.run_id for r in failed] or p.run_ids
 
     def trial_seconds(self) -> float:
-        return results.run_seconds(results.search(self.uri, self.experiment, results.tag_filter(sweep=self.info["id"])))
+        return results.run_seconds(
+            results.search(self.uri, self.experiment, results.tag_filter({tags.SWEEP: self.info["id"]}))
+        )
 
 
 def _job_error(ret: Any) -> Optional[str]:

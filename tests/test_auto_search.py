@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from orchestrator.planner.space import Candidate
-from sweeps.auto import OOM, Entry, Search, implied_by_oom, mean_abs_error, ratio_refit, summary
+from sweeps.auto import Entry, Search, implied_by_oom, mean_abs_error, ratio_refit, summary
 
 
 def cand(dp=1, tp=1, pp=1, mb=1, m=1, schedule="1f1b", v=1, ckpt=False, shard="ddp", sp=False) -> Candidate:
@@ -113,11 +113,11 @@ def test_an_out_of_memory_trial_prunes_what_needs_more():
     s.update()
     first = s.next_batch()[0]
     assert first.candidate.micro_batch == 4
-    s.record(first, None, status=OOM, reason="CUDA out of memory")
+    s.record(first, None, status="oom", reason="CUDA out of memory")
     pruned = [e for e in s.entries if e.status == "pruned"]
-    assert [e.candidate.micro_batch for e in pruned] == [] and first.status == OOM
+    assert [e.candidate.micro_batch for e in pruned] == [] and first.status == "oom"
     # the mb=2 point fails too: nothing with mb >= 2 is left, mb=1 still is
-    s.record(s.entries[0], None, status=OOM)
+    s.record(s.entries[0], None, status="oom")
     assert [e.candidate.micro_batch for e in s.pending()] == [1]
     # a crash rules out that point only
     s2 = Search.of([(base, 1.0), (replace(base, micro_batch=4), 0.9)])
@@ -129,8 +129,8 @@ def test_an_oom_prunes_the_larger_pending_points():
     base = cand(dp=2, tp=2, pp=1, mb=2)
     entries = [(replace(base, micro_batch=b), 1.0 / b) for b in (1, 2, 4, 8)]
     s = Search.of(entries)
-    s.record(s.entries[1], None, status=OOM)  # mb=2 ran out of memory
-    assert {e.candidate.micro_batch: e.status for e in s.entries} == {1: "pending", 2: OOM, 4: "pruned", 8: "pruned"}
+    s.record(s.entries[1], None, status="oom")  # mb=2 ran out of memory
+    assert {e.candidate.micro_batch: e.status for e in s.entries} == {1: "pending", 2: "oom", 4: "pruned", 8: "pruned"}
     assert any("pruned" in line for line in s.log)
 
 
@@ -200,17 +200,17 @@ def test_an_oom_corrects_the_memory_model_across_layouts():
     other_small = cand(dp=4, tp=1, mb=1)
     s = Search.of([(failed, 1.0), (other_big, 1.1), (other_small, 1.2)], planned_gb=[50.0, 52.0, 40.0], memory_gb=64.0)
     assert not implied_by_oom(failed, other_big)
-    s.record(s.entries[0], None, status=OOM, reason="out of memory")
+    s.record(s.entries[0], None, status="oom", reason="out of memory")
     assert s.memory_scale == pytest.approx(64.0 / 50.0)
     assert {e.name: e.status for e in s.entries} == {
-        failed.name: OOM,
+        failed.name: "oom",
         other_big.name: "pruned",
         other_small.name: "pending",
     }
     assert "memory corrected" in s.entries[1].reason and any("memory model corrected" in x for x in s.log)
     # without the device's memory (or the plan's), an OOM prunes only what it implies
     s2 = Search.of([(failed, 1.0), (other_big, 1.1)], planned_gb=[50.0, 52.0])
-    s2.record(s2.entries[0], None, status=OOM)
+    s2.record(s2.entries[0], None, status="oom")
     assert s2.entries[1].status == "pending" and s2.memory_scale == 1.0
 
 

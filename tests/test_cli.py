@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from orchestrator import app, best, cli, compare, plan, report
+from orchestrator import best, cli, compare, exit_codes, plan, report
 from orchestrator.config import TrackingConfig
 
 EXP = TrackingConfig.experiment
@@ -70,16 +70,16 @@ def _one_error(err: str, needle: str) -> None:
 
 
 def test_one_set_of_exit_codes_and_one_default_experiment():
-    assert (cli.EXIT_OK, cli.EXIT_FAILED, cli.EXIT_BAD_INPUT, cli.EXIT_NO_MATCH) == (0, 1, 2, 3)
-    assert app.EXIT_FAILED == cli.EXIT_FAILED and app.EXIT_CONFIG == plan.EXIT_CONFIG == cli.EXIT_BAD_INPUT
+    assert (exit_codes.OK, exit_codes.FAILED, exit_codes.BAD_INPUT, exit_codes.NO_MATCH) == (0, 1, 2, 3)
+    assert "  2  bad input" in exit_codes.HELP and "  3  nothing matched" in exit_codes.HELP
     assert cli.default_experiment() == EXP
 
 
 def test_build_filter_joins_the_tools_tags_and_the_users_filter():
-    assert cli.build_filter(None, sweep=None) == ""
+    assert cli.build_filter(None, {"sweep": None}) == ""
     assert cli.build_filter(" metrics.final_loss < 5 ") == "metrics.final_loss < 5"
     assert (
-        cli.build_filter("metrics.final_loss < 5", sweep="s'1", trial__status="finished")
+        cli.build_filter("metrics.final_loss < 5", {"sweep": "s'1", "trial.status": "finished"})
         == "tags.`sweep` = 's\\'1' and tags.`trial.status` = 'finished' and metrics.final_loss < 5"
     )
     assert cli.check_filter("metrics.final_loss < 5 and tags.chip = 'cpu'") is None
@@ -101,9 +101,9 @@ def test_best_on_defaults_and_with_filters(store, capsys, monkeypatch):
     assert code == 0 and json.loads(out)["run_id"] == ids[TRIALS[0][0]]
     # sound input that matches nothing: 3, the reason on stderr, nothing on stdout
     code, out, err = _call(capsys, best.main, "--tracking-uri", uri, "--chip", "cuda", "--filter", "tags.chip = 'cpu'")
-    assert code == cli.EXIT_NO_MATCH and out == "" and "error: --experiment=" in err and "0 matching run(s)" in err
+    assert code == exit_codes.NO_MATCH and out == "" and "error: --experiment=" in err and "0 matching run(s)" in err
     code, out, err = _call(capsys, best.main, "--tracking-uri", uri, "--model", "llama2_7b", "--json")
-    assert code == cli.EXIT_NO_MATCH and out == ""
+    assert code == exit_codes.NO_MATCH and out == ""
 
 
 @pytest.mark.parametrize(
@@ -120,7 +120,7 @@ def test_best_on_defaults_and_with_filters(store, capsys, monkeypatch):
 def test_best_bad_input_is_one_error_line_naming_the_flag(store, capsys, args, needle):
     uri, _, _ = store
     code, out, err = _call(capsys, best.main, "--tracking-uri", uri, *args)
-    assert code == cli.EXIT_BAD_INPUT and out == ""
+    assert code == exit_codes.BAD_INPUT and out == ""
     _one_error(err, needle)
 
 
@@ -128,7 +128,7 @@ def test_a_missing_sqlite_store_is_bad_input_and_stays_missing(tmp_path, capsys)
     db = tmp_path / "typo.db"
     for main, args in ((best.main, []), (report.main, []), (compare.main, ["abcd", "efgh"])):
         code, out, err = _call(capsys, main, *args, "--tracking-uri", f"sqlite:///{db}")
-        assert code == cli.EXIT_BAD_INPUT and out == ""
+        assert code == exit_codes.BAD_INPUT and out == ""
         _one_error(err, f"--tracking-uri=sqlite:///{db}: no such sqlite file")
     assert not db.exists()
 
@@ -148,9 +148,9 @@ def test_report_json_filter_and_log(store, capsys, tmp_path):
     assert code == 0 and [r["run_ids"] for r in data["rows"]] == [[ids[TRIALS[0][0]]], [ids[TRIALS[1][0]]]]
     # nothing matched: no such sweep, or no trial passes the filter
     code, out, err = _call(capsys, report.main, "--tracking-uri", uri, "--sweep", "s2")
-    assert code == cli.EXIT_NO_MATCH and out == "" and "no sweep s2" in err
+    assert code == exit_codes.NO_MATCH and out == "" and "no sweep s2" in err
     code, out, err = _call(capsys, report.main, "--tracking-uri", uri, "--filter", "tags.chip = 'tpu'")
-    assert code == cli.EXIT_NO_MATCH and out == "" and "--filter=tags.chip = 'tpu'" in err
+    assert code == exit_codes.NO_MATCH and out == "" and "--filter=tags.chip = 'tpu'" in err
     # --log puts the report on the sweep's parent run; --attach is its old spelling
     code, _, err = _call(capsys, report.main, "--tracking-uri", uri, "--out", str(tmp_path / "a"), "--attach")
     assert code == 0 and "warning: --attach is deprecated, use --log" in err
@@ -168,11 +168,11 @@ def test_compare_takes_run_id_prefixes_in_the_experiment_and_the_old_uri_flag(st
     assert got["run_a"] == a and got["steps_compared"] == 4 and got["first_divergence_step"] == 1
     # the prefix is looked up in --experiment only
     code, out, err = _call(capsys, compare.main, a[:12], b, "--tracking-uri", uri, "--experiment", "other", *out_dir)
-    assert code == cli.EXIT_BAD_INPUT and out == ""
+    assert code == exit_codes.BAD_INPUT and out == ""
     _one_error(err, f"run_a={a[:12]}: no such run")
     # two real runs without a loss step in common: nothing matched
     code, out, err = _call(capsys, compare.main, a, ids["silent"], "--tracking-uri", uri, *out_dir)
-    assert code == cli.EXIT_NO_MATCH and out == "" and "no step whose loss both runs logged" in err
+    assert code == exit_codes.NO_MATCH and out == "" and "no step whose loss both runs logged" in err
 
 
 def test_plan_tracking_flags_map_onto_tracking_overrides(store, capsys):
@@ -180,12 +180,12 @@ def test_plan_tracking_flags_map_onto_tracking_overrides(store, capsys):
     uri, _, _ = store
     # the store has no trial of this chip: nothing matched
     code, out, err = _call(capsys, plan.main, "+chip=ascend910b", "--calibrate", "--tracking-uri", uri)
-    assert code == cli.EXIT_NO_MATCH and out == "" and f"in experiment {EXP} ({uri})" in err
+    assert code == exit_codes.NO_MATCH and out == "" and f"in experiment {EXP} ({uri})" in err
     # the Hydra overrides still work ...
     code, out, err = _call(
         capsys, plan.main, "+chip=ascend910b", f"tracking.uri={uri}", "tracking.experiment=nope", "--calibrate"
     )
-    assert code == cli.EXIT_BAD_INPUT and out == ""
+    assert code == exit_codes.BAD_INPUT and out == ""
     _one_error(err, "tracking.experiment=nope: no such experiment")
     # ... and the flags win over them
     code, out, err = _call(
@@ -199,7 +199,7 @@ def test_plan_tracking_flags_map_onto_tracking_overrides(store, capsys):
         "--experiment",
         EXP,
     )
-    assert code == cli.EXIT_NO_MATCH, err
+    assert code == exit_codes.NO_MATCH, err
     # without --calibrate the store is not read at all
     code, out, _ = _call(capsys, plan.main, "+chip=cpu", "--tracking-uri", "sqlite:///nowhere.db", "--json")
     assert code == 0 and json.loads(out)[0]["dp"] == 1

@@ -163,8 +163,8 @@ def test_a_trial_outlives_its_tracking_server_and_loses_no_step(running, tmp_pat
     assert waiting and min(waiting) > seen  # what waited is what the store had not got
     run = c.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["trial.status"] == "finished"
-    assert "**finished**: final loss" in run.data.tags[tracking.NOTE_TAG]
-    assert tracking.UNDELIVERED_TAG not in run.data.tags and not journal.exists()
+    assert "**finished**: final loss" in run.data.tags["mlflow.note.content"]
+    assert "tracking.undelivered" not in run.data.tags and not journal.exists()
     # the outage is reported, and so is how it ended: rank 0's reporter saw the store back, or (the
     # store back only after rank 0's finish timeout, as on a loaded CI host) it left its journal,
     # which the driver delivered (the records above are all in the store either way)

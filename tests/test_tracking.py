@@ -44,14 +44,14 @@ def _dead_uri() -> str:
 def test_our_experiments_open_in_mlflow_3s_model_training_view(mlflow_uri):
     c = MlflowClient(mlflow_uri)
     new = tracking.experiment_id(mlflow_uri, "fresh")
-    assert c.get_experiment(new).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
+    assert c.get_experiment(new).tags["mlflow.experimentKind"] == "custom_model_development"
     old = c.create_experiment("from_before")  # an experiment of ours made before the tag
-    assert tracking.EXPERIMENT_KIND_TAG not in c.get_experiment(old).tags
+    assert "mlflow.experimentKind" not in c.get_experiment(old).tags
     assert tracking.experiment_id(mlflow_uri, "from_before") == old
-    assert c.get_experiment(old).tags[tracking.EXPERIMENT_KIND_TAG] == "custom_model_development"
-    mine = c.create_experiment("a_users", tags={tracking.EXPERIMENT_KIND_TAG: "genai_development"})
+    assert c.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+    mine = c.create_experiment("a_users", tags={"mlflow.experimentKind": "genai_development"})
     tracking.experiment_id(mlflow_uri, "a_users")
-    assert c.get_experiment(mine).tags[tracking.EXPERIMENT_KIND_TAG] == "genai_development"  # left alone
+    assert c.get_experiment(mine).tags["mlflow.experimentKind"] == "genai_development"  # left alone
 
 
 def test_a_run_has_mlflow_s_system_tags_its_command_and_at_the_end_its_result(compose_cfg, mlflow_uri):
@@ -64,17 +64,17 @@ def test_a_run_has_mlflow_s_system_tags_its_command_and_at_the_end_its_result(co
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if head.returncode == 0:  # a git checkout: MLflow's git context names its commit
         assert tags["mlflow.source.git.commit"] == head.stdout.strip()
-    note = tags[tracking.NOTE_TAG]
+    note = tags["mlflow.note.content"]
     assert "python -m orchestrator trainer.steps=3 trainer.lr=3e-3 '+tag=a b'" in note and "Result" not in note
 
     summary = {"final_loss": 2.34567, "step_time_median_s": 0.0123, "tokens_per_s_median": 41600.4, "peak_mem_gb": 0.5}
     tracking.end_run(uri, run_id, "finished", summary=summary)
     run = MlflowClient(uri).get_run(run_id)
-    note = run.data.tags[tracking.NOTE_TAG]
+    note = run.data.tags["mlflow.note.content"]
     assert note.startswith("Reproduce this trial") and "python -m orchestrator trainer.steps=3" in note
     assert "**finished**: final loss 2.3457, step time 0.0123 s (median), 41,600 tokens/s, peak memory 0.50 GB" in note
     tracking.end_run(uri, run_id, "crash", "rank 0: boom")  # a second end rewrites the result, once
-    note = MlflowClient(uri).get_run(run_id).data.tags[tracking.NOTE_TAG]
+    note = MlflowClient(uri).get_run(run_id).data.tags["mlflow.note.content"]
     assert note.count("**Result**") == 1 and "**crash**" in note and "rank 0: boom" in note
     assert run.info.status == "FINISHED"
 
@@ -307,8 +307,8 @@ def test_a_trial_records_step_times_its_result_and_says_where_to_look(compose_cf
     assert [m.step for m in loss] == list(range(6))
     assert stamps == sorted(stamps) and len(set(stamps)) == 6 and stamps[0] >= int(before * 1000)  # one per step
     (run,) = search_runs(mlflow_uri)
-    assert "**finished**: final loss" in run.data.tags[tracking.NOTE_TAG]
-    assert tracking.UNDELIVERED_TAG not in run.data.tags
+    assert "**finished**: final loss" in run.data.tags["mlflow.note.content"]
+    assert "tracking.undelivered" not in run.data.tags
     assert not list(Path.cwd().glob(f"mlflow_journal_{run_id}*"))  # delivered: the journal is gone
     hints = [r.getMessage() for r in caplog.records if r.getMessage().startswith("MLflow UI:")]
     assert hints == [

@@ -10,6 +10,8 @@ from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator import statuses, tags
+
 
 @dataclass
 class MeasuredTrial:
@@ -70,9 +72,11 @@ def measured_trials(uri: str, experiment: str, chip: Optional[str] = None) -> Li
     if exp is None:
         return []
     out = []
-    for run in c.search_runs([exp.experiment_id], filter_string="tags.`trial.status` = 'finished'", max_results=5000):
-        tags, metrics = run.data.tags, run.data.metrics
-        if tags.get("emulated") == "true" or (chip and tags.get("chip") != chip):
+    for run in c.search_runs(
+        [exp.experiment_id], filter_string=f"tags.`{tags.TRIAL_STATUS}` = '{statuses.FINISHED}'", max_results=5000
+    ):
+        told, metrics = run.data.tags, run.data.metrics
+        if told.get("emulated") == "true" or (chip and told.get("chip") != chip):
             continue
         if "step_time_median_s" not in metrics:
             continue
