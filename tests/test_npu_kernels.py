@@ -147,10 +147,13 @@ def test_the_swiglu_kernel_equals_the_lean_one(dtype):
     dy = torch.randn_like(got)
     for x, y in zip(torch.autograd.grad(got, (a, b), dy), torch.autograd.grad(want, (a, b), dy)):
         torch.testing.assert_close(x, y, **tol)
-    assert _saved(lambda: lean_ops.npu_swiglu(FakeTorchNPU(), a, b)) == _saved(lambda: lean_ops._SwiGLU.apply(a, b))
+    assert saved_bytes(lambda: lean_ops.npu_swiglu(FakeTorchNPU(), a, b)) == saved_bytes(
+        lambda: lean_ops._SwiGLU.apply(a, b)
+    )
 
 
-def _saved(fn) -> int:
+def saved_bytes(fn) -> int:
+    """Bytes of the distinct storages autograd saves while ``fn`` runs."""
     seen = {}
 
     def pack(t):

@@ -19,7 +19,7 @@ from orchestrator.planner import ModelShape
 from orchestrator.planner.activations import ActBytes, atlas_a2, core_activation_bytes, layer_activation_bytes
 from orchestrator.planner.traffic import ROPE_NPU_PASSES, ROPE_PASSES, layer_traffic_bytes
 from tests.planner_cases import preset
-from tests.test_npu_kernels import FakeTorchNPU
+from tests.test_npu_kernels import FakeTorchNPU, saved_bytes
 from trainers import rope
 
 
@@ -116,19 +116,6 @@ def test_no_npu_no_kernel(monkeypatch):
     torch.testing.assert_close(got[0], rope.apply_rope(q, cos, sin), rtol=0, atol=0)
 
 
-def _saved_bytes(fn) -> int:
-    """Bytes of the distinct storages autograd saves while ``fn`` runs."""
-    seen = {}
-
-    def pack(t):
-        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
 def _shape(heads=4, kv=2, d=8) -> ModelShape:
     m = ModelShape.of(preset("model", "llama2_7b"))
     return dataclasses.replace(m, d=heads * d, heads=heads, kv_heads=kv)
@@ -140,8 +127,8 @@ def test_the_planner_counts_what_the_kernel_keeps():
     exactly the bytes autograd saves, measured here with the stand-in's derivative set."""
     b, heads, kv, s, d = 2, 4, 2, 16, 8
     q, k, cos, sin = _qk(torch.bfloat16, b, heads, kv, s, d)
-    kernel = _saved_bytes(lambda: rope.npu_rotate(FakeRopeNPU(), q, k, cos, sin))
-    decomposed = _saved_bytes(lambda: (rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)))
+    kernel = saved_bytes(lambda: rope.npu_rotate(FakeRopeNPU(), q, k, cos, sin))
+    decomposed = saved_bytes(lambda: (rope.apply_rope(q, cos, sin), rope.apply_rope(k, cos, sin)))
     m = _shape(heads, kv, d)
     pr = SimpleNamespace(param_dtype="bf16", compute_dtype="bf16", fp32_ops=[])
     on, off = ActBytes.of(pr, m, "npu", a2=True), ActBytes.of(pr, m, "npu", a2=False)
