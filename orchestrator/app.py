@@ -10,7 +10,6 @@ launches nothing: its result is the finished run's (see :func:`finished_before`)
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import sys
@@ -42,15 +41,15 @@ def _report(result: dict) -> None:
         log.error("run %s ended %s: %s", result["run_id"], result["status"], result.get("reason", ""))
 
 
-def finished_before(cfg: DictConfig, job_num: int) -> Optional[Dict[str, Any]]:
+def finished_before(resolved: trial.ResolvedTrial, job_num: int) -> Optional[Dict[str, Any]]:
     """A sweep job's point that already finished: the result of the newest run with its config
     hash (``reused: True``), recorded on the sweep's parent run; None when the job must run (not
     in a sweep, ``tracking.skip_finished=false``, a sweeper that resumes by itself, no such run)."""
+    cfg = resolved.cfg
     if not sweep_parent.skips_finished(cfg.tracking):
         return None
-    # the hash its run would carry: the chip resolved and the planner's mappings applied, as
-    # trial.start completes the config (on a copy: the job's own config stays as composed)
-    plan = trial.check(copy.deepcopy(cfg))
+    # the hash its run will carry: the chip resolved and the planner's mappings applied
+    plan = resolved.outcome()
     if plan["status"] != "ready":
         return None
     run = sweep_parent.finished_run(cfg.tracking, plan["config_hash"])
@@ -112,12 +111,12 @@ def main(cfg: DictConfig, hc: DictConfig):
     multirun = hc.mode == RunMode.MULTIRUN
     # under hydra/launcher=ray every trial goes to Ray; otherwise the trial's size decides
     launcher = "ray" if ray_sweep.is_ray_job(hc) else None  # hydra/launcher=ray_trials (or its alias ray)
-    if multirun:
-        reused = finished_before(cfg, int(hc.job.num))
+    try:
+        resolved = trial.resolve(cfg, launcher)  # once for the job: fill, validate, and below the preflight
+        reused = finished_before(resolved, int(hc.job.num)) if multirun else None
         if reused is not None:
             return objective(cfg, reused, hc.sweeper)
-    try:
-        result = trial.run(cfg, overrides, launcher=launcher, slot=ray_sweep.board_slot(hc))
+        result = trial.run_resolved(resolved, overrides, slot=ray_sweep.board_slot(hc))
     except trial.ConfigError as err:
         for line in err.errors:
             print(f"error: {line}", file=sys.stderr)

@@ -6,9 +6,11 @@ directory cannot be made); a trial that fails after launch ends with its classif
 reason in MLflow. A store that goes away during the trial fails nothing: rank 0's records wait in
 a journal next to the trial's output until the store is back (see ``orchestrator.tracking``).
 
-A composed config is resolved once (:func:`resolve`: chip resolved, rules checked, layout worked
-out, launch path decided) into a :class:`ResolvedTrial`; the steps after it take their sections
-and the layout from there instead of working them out again.
+A composed config is resolved once per job (:func:`resolve`: chip resolved, rules checked, layout
+worked out, launch path decided) into a :class:`ResolvedTrial`, whose preflight is planned once
+(:meth:`ResolvedTrial.preflight`); the steps after it (a sweep job's finished-before check, the
+start, the launch) take the config, the layout and the plan from there instead of working them out
+again (``tests/test_resolved_once.py`` counts them).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import signal
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
@@ -56,7 +58,7 @@ class ConfigError(ValueError):
         self.errors = errors
 
 
-@dataclass(frozen=True)
+@dataclass
 class ResolvedTrial:
     """A composed config made concrete once, for one trial: ``cfg`` with its chip resolved and
     every rule checked, its ``layout`` (``parallel.dp=-1`` filled), the ``nodes`` it spans, and
@@ -68,6 +70,26 @@ class ResolvedTrial:
     nodes: int
     path: str
     placement: Placement
+    _report: Optional[Dict[str, Any]] = field(default=None, repr=False)
+
+    def preflight(self) -> Dict[str, Any]:
+        """The planner's report, planned on the first call (the trainer's mapped decompositions
+        applied to ``cfg`` then) and kept."""
+        if self._report is None:
+            self._report = _preflight(self.cfg)
+        return self._report
+
+    def outcome(self) -> Dict[str, Any]:
+        """What :func:`start` will decide, without recording or launching anything: ``status``
+        (``ready``, ``infeasible`` or ``unsupported_op``), ``reasons``, the ``preflight`` report
+        and the ``config_hash`` its run will carry."""
+        report = self.preflight()
+        return {
+            "status": "ready" if report["feasible"] else _infeasible_status(report),
+            "reasons": report["reasons"],
+            "preflight": report,
+            "config_hash": tracking.config_hash(self.cfg),
+        }
 
     def launch_section(self) -> Dict[str, Any]:
         """``launch`` as plain data, what a launch path gets."""
@@ -170,7 +192,7 @@ def _preflight(cfg: DictConfig) -> Dict[str, Any]:
     """The planner, before any device is used: memory fit and operator coverage. The trainer runs
     with the decompositions it maps (e.g. model.attn_impl=decomposed where fused attention is
     missing on the chip), and the recorded config says so."""
-    report = planner.preflight(cfg)
+    report = planner.preflight(cfg, filled=True)
     for key, value in report["model_overrides"].items():
         cfg.model[key] = value
     return report
@@ -186,7 +208,7 @@ def check(cfg: DictConfig) -> Dict[str, Any]:
     report (None for a broken rule) and the ``config_hash`` its run will carry. ``cfg`` is
     completed as :func:`start` completes it (chip resolved, the planner's mappings applied)."""
     try:
-        resolve(cfg)
+        return resolve(cfg).outcome()
     except ConfigError as err:
         return {
             "status": statuses.INFEASIBLE,
@@ -194,13 +216,6 @@ def check(cfg: DictConfig) -> Dict[str, Any]:
             "preflight": None,
             "config_hash": tracking.config_hash(cfg),
         }
-    report = _preflight(cfg)
-    return {
-        "status": "ready" if report["feasible"] else _infeasible_status(report),
-        "reasons": report["reasons"],
-        "preflight": report,
-        "config_hash": tracking.config_hash(cfg),
-    }
 
 
 @dataclass
@@ -228,16 +243,13 @@ class Trial:
 LaunchFn = Callable[[TrialSpec, Any, int, Dict[str, Any]], Dict[str, Any]]
 
 
-def start(
-    cfg: DictConfig, overrides: Iterable[str], progress: Optional[bool] = None, launcher: Optional[str] = None
-) -> Trial:
-    """Validate, preflight and record one trial, up to the launch; both launch paths share it.
-    ``launcher`` decides the launch path as in :func:`resolve`.
+def start(resolved: ResolvedTrial, overrides: Iterable[str], progress: Optional[bool] = None) -> Trial:
+    """Preflight and record one resolved trial, up to the launch; both launch paths share it.
 
-    Raises ConfigError (before anything is launched or recorded) for a broken config, and for a
-    tracking store that cannot be used.
+    Raises ConfigError (before anything is launched or recorded) for a tracking store that cannot
+    be used.
     """
-    resolved = resolve(cfg, launcher)
+    cfg = resolved.cfg
     if cfg.tracking.enabled:
         try:
             mlflow_store.check_store(cfg.tracking)
@@ -247,7 +259,7 @@ def start(
         start_workers_early(resolved.launch_section())
     overrides = list(overrides)
     lay = resolved.layout
-    report = _preflight(cfg)
+    report = resolved.preflight()
     result: Dict[str, Any] = {"status": statuses.RUNNING, "run_id": None, "preflight": report}
     trial = Trial(resolved, overrides, result)
     if not report["feasible"]:
@@ -381,7 +393,15 @@ def run(
     the job's place on its Ray sweep's progress board (``orchestrator.ray_sweep.board_slot``).
     Raises ConfigError (before anything is launched or recorded) for a broken config.
     """
-    trial = start(cfg, overrides, progress, launcher)
+    return run_resolved(resolve(cfg, launcher), overrides, progress, slot)
+
+
+def run_resolved(
+    resolved: ResolvedTrial, overrides: Iterable[str], progress: Optional[bool] = None, slot: Optional[BoardSlot] = None
+) -> Dict[str, Any]:
+    """:func:`run` of a trial resolved already (a job that checked it first: ``orchestrator.app``)."""
+    cfg = resolved.cfg
+    trial = start(resolved, overrides, progress)
     result = trial.result if trial.spec is None else finish(trial, launch_path(trial.resolved, slot))
     if result.get("run_id") and sweep_parent.current() is None:  # where to look; a sweep says it once, at its end
         mlflow_ui.show_ui(tracking.resolve_uri(cfg.tracking), result["run_id"])

@@ -91,14 +91,15 @@ def planning_errors(cfg: DictConfig) -> List[str]:
     return [e for e in validate(plan) if NOT_YET not in e]
 
 
-def preflight(cfg: DictConfig) -> Dict[str, Any]:
+def preflight(cfg: DictConfig, filled: bool = False) -> Dict[str, Any]:
     """The report a trial is launched on (JSON-serialisable, saved as ``preflight.json``):
     ``feasible`` and one line per reason it is not, the ``model_overrides`` the trainer must run
     with (the mapped decompositions), the memory plan, operator coverage and step-time estimate.
-    Expects a config that passed validate(); the chip is detected if it is not set."""
-    cfg = resolved(cfg)
+    Expects a config that passed validate(); the chip is detected if it is not set. ``filled``:
+    ``cfg`` is filled already (a resolved trial's, ``orchestrator/filled.py``) and only read."""
+    cfg = cfg if filled else resolved(cfg)
     cov = op_coverage(cfg.model, int(cfg.trainer.seq_len), cfg.precision.compute_dtype, cfg.chip)
-    planned = with_model_overrides(cfg, cov.model_overrides)
+    planned = with_model_overrides(cfg, cov.model_overrides) if cov.model_overrides else cfg
     lp = plan_layout(planned)
     mem = lp.memory
     reasons = []
