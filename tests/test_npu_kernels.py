@@ -107,7 +107,7 @@ def test_the_kernel_runs_on_the_pairs_its_part_takes(x_dtype, w_dtype, a2, takes
 
 def test_no_npu_no_kernel():
     """On any other device the lean norm runs (nothing looked up)."""
-    assert lean_ops._torch_npu(torch.zeros(1)) is None
+    assert lean_ops.torch_npu_of(torch.zeros(1)) is None
 
 
 def test_the_planner_counts_the_kernel_where_the_trainer_calls_it():

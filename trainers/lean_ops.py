@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, dtype: Optional[torch
     """The lean RMSNorm, in ``dtype`` (None: x's), outside autocast (the caller's precision
     policy decides the dtype, as ``trainers.model.in_dtype`` does); torch_npu's fused kernel on an
     NPU that takes it."""
-    npu = _torch_npu(x)
+    npu = torch_npu_of(x)
     if x.device.type == "meta" or not torch.is_autocast_enabled(x.device.type):
         return _rms_norm(npu, x, w, eps, dtype)
     with torch.autocast(x.device.type, enabled=False):
@@ -103,14 +103,18 @@ def npu_rms_norm_takes(x: torch.Tensor, w: torch.Tensor, a2: bool) -> bool:
     """Whether torch_npu's kernel runs this norm: plain tensors (no DTensor) in a pair of dtypes
     the part takes (``a2``: a 910B-class part, told by torch_npu's inf/nan mode support, which
     starts at the 910B1 as the A2 dtype table does)."""
+    return plain(x, w) and (x.dtype, w.dtype) in (NPU_RMS_NORM_PAIRS_A2 if a2 else NPU_RMS_NORM_PAIRS)
+
+
+def plain(*tensors: torch.Tensor) -> bool:
+    """Whether none of ``tensors`` is a DTensor: torch_npu's fused kernels here take plain tensors
+    (DTensor has no sharding rule for them)."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(x, DTensor) or isinstance(w, DTensor):
-        return False
-    return (x.dtype, w.dtype) in (NPU_RMS_NORM_PAIRS_A2 if a2 else NPU_RMS_NORM_PAIRS)
+    return not any(isinstance(t, DTensor) for t in tensors)
 
 
-def _torch_npu(x: torch.Tensor) -> Any:
+def torch_npu_of(x: torch.Tensor) -> Any:
     """torch_npu where ``x`` is on an NPU (imported by then: the device exists only through it)."""
     return sys.modules.get("torch_npu") if x.device.type == "npu" else None
 
@@ -124,7 +128,7 @@ def inf_nan(npu: Any) -> bool:
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The lean SwiGLU; torch_npu's kernel on an NPU that takes it (:func:`npu_swiglu_takes`)."""
-    npu = _torch_npu(a)
+    npu = torch_npu_of(a)
     if npu is not None and npu_swiglu_takes(a, b, inf_nan(npu)):
         return npu_swiglu(npu, a, b)
     return _SwiGLU.apply(a, b)
@@ -142,11 +146,7 @@ def npu_swiglu(npu: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def npu_swiglu_takes(a: torch.Tensor, b: torch.Tensor, a2: bool) -> bool:
     """Whether torch_npu's SwiGLU runs: on the Atlas A2 training parts (the only ones its
     documentation lists), for plain tensors of one dtype it takes (fp32, fp16, bf16)."""
-    from torch.distributed.tensor import DTensor
-
-    if not a2 or isinstance(a, DTensor) or isinstance(b, DTensor):
-        return False
-    return a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    return a2 and plain(a, b) and a.dtype == b.dtype and a.dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 def lean(enabled: bool = True) -> bool:

@@ -18,7 +18,6 @@ decomposition below does.
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any, Optional
 
 import torch
@@ -62,7 +61,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k, (b, heads, s, head_dim) each, rotated by their positions: torch_npu's kernel on
     an NPU that runs it for both, else :func:`apply_rope`."""
-    npu = sys.modules.get("torch_npu") if q.device.type == "npu" else None
+    npu = lean_ops.torch_npu_of(q)
     if npu is not None and npu_rope_takes(q, k, lean_ops.inf_nan(npu)):
         return npu_rotate(npu, q, k, cos, sin)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -87,9 +86,7 @@ def npu_rope_takes(q: torch.Tensor, k: torch.Tensor, a2: bool) -> bool:
     """Whether the kernel runs this rotation: eagerly (a compiled block keeps its traced
     decomposition), plain 4-D tensors of one dtype it takes, on a part and in shapes its
     interleaved mode allows (:func:`trainers.rules.npu_rope`)."""
-    from torch.distributed.tensor import DTensor
-
-    if torch.compiler.is_compiling() or isinstance(q, DTensor) or isinstance(k, DTensor):
+    if torch.compiler.is_compiling() or not lean_ops.plain(q, k):
         return False
     if q.dim() != 4 or q.dtype != k.dtype or q.dtype not in NPU_ROPE_DTYPES:
         return False

@@ -174,7 +174,7 @@ def layer_activation_bytes(
             out += e * (ab.mask + lin)  # the mask and the dropped probabilities
         elif ab.softmax != lin:
             out += e * lin  # the probabilities' compute-dtype copy
-    out += _rope_bytes(m, seq, b, tp, ab, T * (heads * hd + kv_w) * lin)
+    out += _rope_bytes(m, seq, b, tp, ab)
     # GELU: its input and output; the lean SwiGLU: w1's and w3's outputs and their product
     out += (2 if not m.swiglu else 3 if m.lean else 4) * T * m.d_ff / tp * lin
     if drop:
@@ -212,18 +212,19 @@ def core_activation_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes
             out += e * (ab.mask + lin)
         elif ab.softmax != lin:
             out += e * lin
-    return out + _rope_bytes(m, seq, b, tp, ab, T * (heads * hd + m.kv_heads * hd / tp) * lin)
+    return out + _rope_bytes(m, seq, b, tp, ab)
 
 
-def _rope_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes, qk: float) -> float:
+def _rope_bytes(m: ModelShape, seq: int, b: int, tp: int, ab: ActBytes) -> float:
     """What RoPE keeps: the decomposition its cos and sin cast to a 16-bit compute dtype, for q
-    and for k; torch_npu's kernel its input (``qk``: q and k before the rotation, a copy beside the
-    rotated ones attention keeps) and its two pair-repeated tables in the compute dtype."""
+    and for k; torch_npu's kernel its input (this rank's q and k before the rotation, a copy beside
+    the rotated ones attention keeps) and its two pair-repeated tables in the compute dtype."""
     hd = m.d // m.heads
     if m.learned_pos:
         return 0.0
     if ab.rope_kernel(m, b, tp):
-        return qk + 2 * seq * hd * ab.linear
+        qk = seq * b * (m.heads + m.kv_heads) * hd / tp
+        return (qk + 2 * seq * hd) * ab.linear
     return 2 * seq * hd * ab.linear if ab.linear != 4 else 0.0
 
 
