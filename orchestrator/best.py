@@ -117,7 +117,7 @@ def table(uri: str, objective: str, candidates: List[Dict[str, Any]], top: int) 
     for i, c in enumerate(candidates[:top], 1):
         run = c["run"]
         t = run.data.tags
-        name = t.get("mlflow.runName", "")
+        name = t.get(tags.RUN_NAME, "")
         rows.append(
             [
                 str(i),

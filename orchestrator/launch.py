@@ -216,7 +216,7 @@ def launch_config(world_size: int, launch: Dict[str, Any], start_method: str, po
         role="trainer",
         rdzv_backend="c10d",
         rdzv_endpoint=f"{host}:{port}",
-        rdzv_configs=dict(timeout=120, is_host=True),
+        rdzv_configs={"timeout": 120, "is_host": True},
         max_restarts=int(launch["max_failures"]),
         monitor_interval=0.2,
         start_method=start_method,

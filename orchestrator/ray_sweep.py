@@ -336,7 +336,10 @@ def _collect(pending: Dict[Any, Tuple[int, List[str], Any]], board: Any, n_jobs:
                     ret.return_value = err
                 results[idx] = ret
                 status, detail = _outcome(ret)
-                done, failed = (done + 1, failed) if status == statuses.FINISHED else (done, failed + 1)
+                if status == statuses.FINISHED:
+                    done += 1
+                else:
+                    failed += 1
                 log.info("#%d %s: %s", idx, status, detail)
             placed = ray.get(board.placed.remote())
             running = sum(idx in placed for idx, _, _ in pending.values())

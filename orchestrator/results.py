@@ -254,7 +254,7 @@ def overrides_of(uri: str, run: Any) -> List[str]:
     try:
         return [line for line in artifact_text(uri, run.info.run_id, "overrides.txt").splitlines() if line.strip()]
     except Exception:  # noqa: BLE001 - an older run or an artifact store we cannot read
-        name = run.data.tags.get("mlflow.runName", "")
+        name = run.data.tags.get(tags.RUN_NAME, "")
         return [] if name in ("", "default") else shlex.split(name)
 
 

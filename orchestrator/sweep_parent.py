@@ -171,7 +171,7 @@ def start_sweep(config: DictConfig) -> Dict[str, str]:
         tags.SWEEP_LAUNCHER: str(choices.get("hydra/launcher", "")),
         tags.SWEEP_SWEEPER: str(choices.get("hydra/sweeper", "")),
         tags.SWEEP_DIR: str(hydra.sweep.dir),
-        "mlflow.runName": name,
+        tags.RUN_NAME: name,
         tags.NOTE: tracking.run_note(overrides, f"sweep {sweep_id}", multirun=True)[: tracking.MAX_TAG_VALUE],
         **tracking.source_tags(),
     }

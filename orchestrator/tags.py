@@ -24,6 +24,7 @@ TUNING_OUTCOME, TUNING_COMMAND, TUNING_FINAL_OVERRIDES = "tuning.outcome", "tuni
 AUTO_STOP = "auto.stop"  # why the auto search stopped measuring, on its parent
 # MLflow's own
 PARENT_RUN = "mlflow.parentRunId"  # nests a trial under its sweep in the UI
+RUN_NAME = "mlflow.runName"  # mlflow.utils.mlflow_tags.MLFLOW_RUN_NAME: the name the UI lists
 NOTE = "mlflow.note.content"  # mlflow.utils.mlflow_tags.MLFLOW_RUN_NOTE: the run's Description
 # MLflow 3's UI picks an experiment's view from this tag (EXPERIMENT_KIND_TAG_KEY in
 # mlflow/server/js/src/experiment-tracking/utils/ExperimentKindUtils.ts); the model-training

@@ -219,7 +219,7 @@ def start_run(cfg: DictConfig, overrides: Iterable[str], run_tags: Dict[str, str
         tags.NOTE: run_note(overrides)[:MAX_TAG_VALUE],
         tags.TRIAL_STATUS: statuses.RUNNING,
         tags.CONFIG_HASH: chash,
-        "mlflow.runName": name[:250],
+        tags.RUN_NAME: name[:250],
         **run_tags,
     }
     run = c.create_run(exp, run_name=name[:250], tags=all_tags)
