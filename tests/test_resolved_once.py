@@ -30,23 +30,20 @@ def test_a_sweep_job_fills_validates_and_plans_its_trial_once(tmp_path, monkeypa
     monkeypatch.setattr(filled, "fill", counted("fill", filled.fill))
     monkeypatch.setattr(trial, "validate", counted("validate", trial.validate))
     monkeypatch.setattr(planner, "preflight", counted("preflight", planner.preflight))
+
     # three jobs: one trains, one the planner refuses (a 70B in this host's memory), one breaks a
     # rule (3 TP ranks of 4 heads); with skip_finished (the default) each job first asks whether
     # its point finished before, which needs the resolved config's hash
-    code, out, err = cli_in_process(
-        ["-m", "+chip=cpu", "trainer=smoke", "trainer.steps=2", "data.num_workers=0", "model=gpt_tiny,llama2_70b"],
-        tmp_path,
-        monkeypatch,
-        capfd,
-    )
-    assert code == 0, err[-3000:]
-    assert calls == {"fill": 2, "validate": 2, "preflight": 2}, calls
-    calls.clear()
-    code, out, err = cli_in_process(
-        ["-m", "+chip=cpu", "trainer=smoke", "trainer.steps=2", "data.num_workers=0", "parallel.tp=3"],
-        tmp_path,
-        monkeypatch,
-        capfd,
-    )
-    assert code == 0, err[-3000:]
-    assert calls == {"fill": 1, "validate": 1}, calls  # refused by a rule: never planned
+    def sweep(points: str) -> Counter:
+        calls.clear()
+        code, _, err = cli_in_process(
+            ["-m", "+chip=cpu", "trainer=smoke", "trainer.steps=2", "data.num_workers=0", points],
+            tmp_path,
+            monkeypatch,
+            capfd,
+        )
+        assert code == 0, err[-3000:]
+        return calls
+
+    assert sweep("model=gpt_tiny,llama2_70b") == {"fill": 2, "validate": 2, "preflight": 2}, calls
+    assert sweep("parallel.tp=3") == {"fill": 1, "validate": 1}, calls  # refused by a rule: never planned

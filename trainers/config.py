@@ -54,8 +54,8 @@ class ModelConfig:
     rope_scaling: Dict[str, Any] = field(default_factory=dict)
     norm_eps: float = 1e-5  # the norms' epsilon (Llama: rms_norm_eps)
     # the Hugging Face family the model is (llama | mistral | qwen2: q, k and v with biases | qwen3:
-    # per-head q and k norms): how
-    # its checkpoints name and shape the tensors and what an exported folder's config.json says
+    # per-head q and k norms): how its checkpoints name and shape the tensors and what an exported
+    # folder's config.json says
     family: str = "llama"
     # the family's sliding-window attention span (0: none). The trainer builds full causal
     # attention, the same as the window's only while trainer.seq_len <= the window: the validator
